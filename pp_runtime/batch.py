@@ -1,0 +1,81 @@
+"""The plain data that crosses from the planner to the executors and back. No torch.
+
+A `MicroBatch` is a list of sequences, each a contiguous run of tokens of one request:
+a prefill chunk (positions [start, start + n)) or a decode (n = 1). Executors flatten all
+tokens into one [num_tokens, hidden] tensor, in this order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the last stage picks the next token of one sequence."""
+
+    temperature: float  # 0 = greedy
+    top_p: float
+    seed: int  # per-request seed; combined with the position, so results never depend on batching
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    request_id: int
+    slot: int  # KV cache slot of the request
+    start: int  # position of the first token; tokens [0, start) are already in the KV cache
+    token_ids: tuple[int, ...]  # input ids (used by stage 0)
+    sampling: Sampling | None  # set when this chunk ends the known tokens: sample the next one
+    is_decode: bool = False  # a generated token fed back (else: a chunk of the prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """KV length after this chunk (what its last token attends to)."""
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    mb_id: int
+    seqs: tuple[SeqChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs if not s.is_decode)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.seqs if s.is_decode)
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """What the last stage returns: one token id per sequence that sampled."""
+
+    mb_id: int
+    tokens: dict[int, int] = field(default_factory=dict)  # request id -> sampled token id
+    timings: tuple["StageTiming", ...] = ()  # one per stage (and TP rank) that ran it
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """What one stage did for one micro-batch; seconds on that worker's clock."""
+
+    mb_id: int
+    stage: int
+    tp_rank: int
+    wait_s: float  # waiting for the previous stage's activations (a bubble, not transfer)
+    transfer_s: float  # moving the activations once they were ready
+    compute_start_s: float
+    compute_end_s: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.compute_end_s - self.compute_start_s

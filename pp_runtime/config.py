@@ -1,0 +1,362 @@
+"""Configuration: frozen dataclasses, YAML loading and validation.
+
+A `Config` has five sections (model, parallel, cache, planner, runtime). Every field
+has a default that works on a laptop. Field names are unique across sections, so
+`Config.with_overrides(chunk_size=64, pp=2)` needs no section prefix.
+
+`validate()` raises `ConfigError` naming the field and the fix; it does no I/O.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FAMILIES = ("gpt", "llama")
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
+PLANNERS = ("sarathi",)  # the planner issue adds orca, request-level, vllm, uniform
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work. The message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "gpt2-small"  # label used in reports
+    family: str = "gpt"  # "gpt" (learned positions, LayerNorm, GELU) or "llama" (RoPE, RMSNorm, SwiGLU, GQA)
+    num_layers: int = 12  # decoder layers; cut into pp stages
+    hidden_size: int = 768  # model width
+    num_heads: int = 12  # query heads
+    num_kv_heads: int | None = None  # key/value heads (GQA); None = num_heads
+    ffn_size: int | None = None  # FFN inner width; None = 4 * hidden_size
+    vocab_size: int = 50257  # token ids are in [0, vocab_size)
+    max_positions: int = 1024  # longest sequence (prompt + output) in tokens
+    dtype: str = "float32"  # float32 on CPU (bf16 is ~8x slower there); float16/bfloat16 on GPU
+    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base (llama only)
+    activation: str | None = None  # None = family default: gelu_new (gpt), silu (llama)
+    bias: bool | None = None  # biases on linear layers; None = family default: True (gpt), False (llama)
+    tie_embeddings: bool | None = None  # LM head shares the embedding; None = True (gpt), False (llama)
+    eos_token_id: int | None = None  # generation stops on this id; None = never
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_size or 4 * self.hidden_size
+
+    @property
+    def act(self) -> str:
+        return self.activation or ("gelu_new" if self.family == "gpt" else "silu")
+
+    @property
+    def use_bias(self) -> bool:
+        return self.family == "gpt" if self.bias is None else self.bias
+
+    @property
+    def tied(self) -> bool:
+        return self.family == "gpt" if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPES[self.dtype]
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings, layers, final norm, untied LM head)."""
+        h, f, v = self.hidden_size, self.ffn, self.vocab_size
+        kv = self.kv_heads * self.head_dim
+        bias = self.use_bias
+        attn = h * (h + 2 * kv) + h * h + (h + 2 * kv + h) * bias
+        if self.family == "gpt":
+            mlp, norms = 2 * h * f + (f + h) * bias, 4 * h
+        else:
+            mlp, norms = 3 * h * f + (3 * f if bias else 0), 2 * h
+        emb = v * h + (self.max_positions * h if self.family == "gpt" else 0)
+        head = 0 if self.tied else v * h
+        final_norm = 2 * h if self.family == "gpt" else h
+        return emb + self.num_layers * (attn + mlp + norms) + final_norm + head
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel ranks per stage
+    pp: int = 1  # pipeline stages; up to pp micro-batches are in flight
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    kv_slots: int | None = None  # requests whose KV fits at once; None = pp * max_batch_size
+    max_seq_len: int | None = None  # KV tokens per slot (L in the paper); None = max_positions
+    device_memory_gb: float | None = None  # M_G: memory of one device, for the paper's B formula
+    memory_utilization: float = 0.9  # share of device memory given to weights + KV (rest: activations)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    planner: str = "sarathi"  # micro-batch policy
+    chunk_size: int = 256  # prefill tokens per micro-batch (C); tile-aligned with decodes
+    max_batch_size: int = 8  # B: sequences per micro-batch (1 prefill chunk + B-1 decodes)
+    tile_size: int = 128  # GPU matmul tile; chunk + decodes should be a multiple of it
+    tile_align: bool = True  # shrink the chunk by the piggybacked decodes so chunk + decodes = C
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "auto"  # "auto" (cuda if present, else cpu), "cpu", "cuda", "cuda:N"
+    seed: int = 0  # random weights and default sampling seed
+    executor: str = "local"  # "local": every stage in this process
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "cache": CacheConfig,
+    "planner": PlannerConfig,
+    "runtime": RuntimeConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def seq_len(self) -> int:
+        """KV tokens per slot (L)."""
+        return self.cache.max_seq_len or self.model.max_positions
+
+    @property
+    def num_slots(self) -> int:
+        """KV slots per stage: requests that can be admitted at once."""
+        return self.cache.kv_slots or self.parallel.pp * self.planner.max_batch_size
+
+    # ---- construction ----------------------------------------------------------------
+    def with_overrides(self, **overrides: Any) -> "Config":
+        """A copy with fields replaced by name, e.g. `chunk_size=64, pp=2`; validated."""
+        by_section: dict[str, dict[str, Any]] = {}
+        owner = {f.name: s for s, cls in SECTIONS.items() for f in fields(cls)}
+        for name, value in overrides.items():
+            if name not in owner:
+                raise ConfigError(
+                    f"unknown config field {name!r}; known fields: {', '.join(sorted(owner))}"
+                )
+            by_section.setdefault(owner[name], {})[name] = value
+        cfg = replace(
+            self, **{s: replace(getattr(self, s), **kv) for s, kv in by_section.items()}
+        )
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Config":
+        validate(self)
+        return self
+
+
+def _check(ok: bool, field_name: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}: {problem}; {fix}")
+
+
+def _check_types(section: str, obj: Any) -> None:
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
+        wanted = [k for k in kinds if k in str(f.type)]
+        optional = "None" in str(f.type)
+        if value is None and optional:
+            continue
+        ok = any(
+            isinstance(value, kinds[k]) and not (k in ("int", "float") and isinstance(value, bool))
+            for k in wanted
+        )
+        _check(ok, f"{section}.{f.name}", f"got {value!r}", f"expected {f.type}")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError for any configuration that cannot work."""
+    for section in SECTIONS:
+        _check_types(section, getattr(cfg, section))
+    m, p, c, pl, rt = cfg.model, cfg.parallel, cfg.cache, cfg.planner, cfg.runtime
+    _check(m.family in FAMILIES, "model.family", f"unknown model family {m.family!r}",
+           f"use one of {', '.join(FAMILIES)}")
+    _check(m.dtype in DTYPES, "model.dtype", f"unknown dtype {m.dtype!r}",
+           f"use one of {', '.join(DTYPES)}")
+    for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_positions"):
+        _check(getattr(m, name) >= 1, f"model.{name}", f"must be >= 1, got {getattr(m, name)}",
+               "set a positive value")
+    _check(m.hidden_size % m.num_heads == 0, "model.num_heads",
+           f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}",
+           "pick num_heads that divides hidden_size")
+    _check(m.kv_heads >= 1 and m.num_heads % m.kv_heads == 0, "model.num_kv_heads",
+           f"num_heads {m.num_heads} is not a multiple of num_kv_heads {m.kv_heads}",
+           "pick num_kv_heads that divides num_heads")
+    _check(m.family != "llama" or m.head_dim % 2 == 0, "model.hidden_size",
+           f"RoPE needs an even head dim, got {m.head_dim}", "change hidden_size or num_heads")
+    _check(m.ffn >= 1, "model.ffn_size", f"must be >= 1, got {m.ffn}", "set a positive value")
+    _check(m.act in ("gelu_new", "gelu", "relu", "silu"), "model.activation",
+           f"unknown activation {m.act!r}", "use gelu_new, gelu, relu or silu")
+    _check(m.eos_token_id is None or 0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id",
+           f"{m.eos_token_id} is outside the vocabulary [0, {m.vocab_size})", "fix or unset it")
+    _check(p.tp >= 1, "parallel.tp", f"must be >= 1, got {p.tp}", "use 1 for no tensor parallelism")
+    _check(p.pp >= 1, "parallel.pp", f"must be >= 1, got {p.pp}", "use 1 for no pipeline")
+    _check(m.num_heads % p.tp == 0, "parallel.tp",
+           f"num_heads {m.num_heads} is not divisible by tp {p.tp}", "pick tp that divides num_heads")
+    _check(m.kv_heads % p.tp == 0, "parallel.tp",
+           f"num_kv_heads {m.kv_heads} is not divisible by tp {p.tp}",
+           "pick tp that divides num_kv_heads")
+    _check(m.ffn % p.tp == 0, "parallel.tp", f"ffn_size {m.ffn} is not divisible by tp {p.tp}",
+           "pick tp that divides ffn_size")
+    _check(m.num_layers >= p.pp, "parallel.pp",
+           f"{m.num_layers} layers cannot fill {p.pp} pipeline stages",
+           f"use pp <= {m.num_layers}")
+    _check(pl.planner in PLANNERS, "planner.planner", f"unknown planner {pl.planner!r}",
+           f"use one of {', '.join(PLANNERS)}")
+    _check(pl.chunk_size >= 1, "planner.chunk_size", f"must be >= 1, got {pl.chunk_size}",
+           "use e.g. 256 (tile-aligned)")
+    _check(pl.max_batch_size >= 1, "planner.max_batch_size",
+           f"must be >= 1, got {pl.max_batch_size}", "use e.g. 8")
+    _check(pl.tile_size >= 1, "planner.tile_size", f"must be >= 1, got {pl.tile_size}", "use 128")
+    _check(not pl.tile_align or pl.chunk_size >= pl.max_batch_size, "planner.chunk_size",
+           f"chunk_size {pl.chunk_size} leaves no prefill token beside "
+           f"{pl.max_batch_size - 1} piggybacked decodes",
+           "raise chunk_size above max_batch_size or set tile_align: false")
+    _check(c.kv_slots is None or c.kv_slots >= 1, "cache.kv_slots",
+           f"must be >= 1, got {c.kv_slots}", "leave it unset for pp * max_batch_size")
+    _check(c.max_seq_len is None or 1 <= c.max_seq_len <= m.max_positions, "cache.max_seq_len",
+           f"{c.max_seq_len} is outside [1, max_positions={m.max_positions}]",
+           "leave it unset for max_positions")
+    _check(0 < c.memory_utilization <= 1, "cache.memory_utilization",
+           f"must be in (0, 1], got {c.memory_utilization}", "use e.g. 0.9")
+    _check(c.device_memory_gb is None or c.device_memory_gb > 0, "cache.device_memory_gb",
+           f"must be > 0, got {c.device_memory_gb}", "give the memory of one device in GB")
+    _check(rt.device == "auto" or rt.device == "cpu" or rt.device.split(":")[0] == "cuda",
+           "runtime.device", f"unknown device {rt.device!r}", "use auto, cpu, cuda or cuda:N")
+    _check(rt.executor == "local", "runtime.executor", f"unknown executor {rt.executor!r}",
+           "use local (the ray and torchrun executors come with the distributed runtime)")
+
+
+# ---- YAML --------------------------------------------------------------------------------
+def _section(cls: type, data: Any, where: str):
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    return cls(**data)
+
+
+def find_config(name_or_path: str | Path, kind: str = "") -> Path:
+    """A YAML path as given, or a shipped config by name (e.g. 'gpt3-175b')."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    candidates = [CONFIG_DIR / kind / f"{name_or_path}.yaml", CONFIG_DIR / f"{name_or_path}.yaml"]
+    for cand in candidates:
+        if cand.is_file():
+            return cand
+    shipped = sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+    raise ConfigError(
+        f"config {str(name_or_path)!r} not found: not a file, and not a shipped "
+        f"{kind or 'config'} name ({', '.join(shipped) or 'none shipped'})"
+    )
+
+
+def load_model_config(name_or_path: str | Path) -> ModelConfig:
+    path = find_config(name_or_path, "models")
+    return _section(ModelConfig, yaml.safe_load(path.read_text()), str(path))
+
+
+def config_from_dict(data: dict[str, Any], where: str = "config") -> Config:
+    data = dict(data or {})
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}"
+        )
+    model = data.get("model")
+    if isinstance(model, str):  # a shipped model by name, e.g. `model: gpt3-175b`
+        data["model"] = dataclasses.asdict(load_model_config(model))
+    elif isinstance(model, dict) and "preset" in model:  # a shipped model with overrides
+        model = dict(model)
+        base = dataclasses.asdict(load_model_config(model.pop("preset")))
+        data["model"] = {**base, **model}
+    cfg = Config(**{s: _section(cls, data.get(s), f"{where}: {s}") for s, cls in SECTIONS.items()})
+    cfg.validate()
+    return cfg
+
+
+def load_config(name_or_path: str | Path, **overrides: Any) -> Config:
+    """Load a YAML config (a path, or a shipped name) and apply keyword overrides."""
+    path = find_config(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    cfg = config_from_dict(data, str(path))
+    return cfg.with_overrides(**overrides) if overrides else cfg
+
+
+# ---- the paper's batch-size formula (§4.3) -------------------------------------------------
+@dataclass(frozen=True)
+class MemoryPlan:
+    """B = floor((M_G - M_S) / (L * m_kv)), per device of one pipeline stage."""
+
+    device_bytes: float  # M_G: usable memory of one device (capacity * utilization)
+    param_bytes: float  # M_S: parameters held by one device
+    seq_len: int  # L: KV tokens per request
+    kv_bytes_per_token: int  # m_kv: K and V of one token for this device's layers and heads
+    max_requests: int  # B over the whole stage: requests whose KV fits at once
+    batch_per_microbatch: int  # B / pp: with pp micro-batches in flight
+
+    def summary(self) -> str:
+        gib = 2**30
+        return (
+            f"M_G={self.device_bytes / gib:.2f} GiB, M_S={self.param_bytes / gib:.2f} GiB, "
+            f"L={self.seq_len}, m_kv={self.kv_bytes_per_token} B/token -> "
+            f"B={self.max_requests} requests per device, "
+            f"{self.batch_per_microbatch} per micro-batch"
+        )
+
+
+def memory_plan(cfg: Config, device_memory_gb: float | None = None) -> MemoryPlan:
+    """The paper's maximum batch size for this model and parallel layout.
+
+    A device of stage s holds 1/tp of the parameters of 1/pp of the layers and the K/V of
+    its layers and heads; with pp micro-batches in flight each micro-batch gets 1/pp of the
+    slots (paper §4.3; GPT-3 on A100-80GB gives 27 for TP8xPP8 and 11 for TP8).
+    """
+    m, p = cfg.model, cfg.parallel
+    gb = device_memory_gb if device_memory_gb is not None else cfg.cache.device_memory_gb
+    if gb is None:
+        raise ConfigError("cache.device_memory_gb: not set; give the memory of one device in GB")
+    usable = gb * 1e9 * cfg.cache.memory_utilization
+    params = m.num_params() * m.dtype_bytes / (p.tp * p.pp)
+    layers = math.ceil(m.num_layers / p.pp)
+    kv_token = 2 * layers * (m.kv_heads // p.tp) * m.head_dim * m.dtype_bytes
+    total = max(0, math.floor((usable - params) / (cfg.seq_len * kv_token)))
+    return MemoryPlan(usable, params, cfg.seq_len, kv_token, total, total // p.pp)

@@ -1,0 +1,1 @@
+"""Executors run micro-batches on stage workers: `local` (all stages in this process)."""

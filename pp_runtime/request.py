@@ -1,0 +1,114 @@
+"""Requests, sampling parameters and outputs. Plain Python: no torch.
+
+A request keeps two counters (as in vLLM and Sarathi-Serve): tokens *scheduled* (put into
+a micro-batch) and tokens *computed* (their micro-batch came back). The gap lets the next
+micro-batch be planned while the previous one is still in the pipeline.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_tokens generated
+    EOS = "eos"  # the model produced the end-of-sequence token
+    ERROR = "error"  # the runtime failed while the request was unfinished
+
+    def __str__(self) -> str:  # print as "length", not "FinishReason.LENGTH"
+        return self.value
+
+
+class InvalidRequestError(ValueError):
+    """One or more requests of a call are invalid; no work was done for any of them."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16  # tokens to generate (at most)
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this mass
+    seed: int | None = None  # None = the runtime seed; same seed, same tokens
+    ignore_eos: bool = False  # keep generating past the EOS token
+
+    def problems(self) -> list[str]:
+        out = []
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            out.append(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            out.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            out.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        return out
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # resolved sampling seed
+    arrival_s: float = 0.0
+    slot: int | None = None  # KV cache slot while admitted
+    num_scheduled: int = 0  # prompt + output tokens put into micro-batches
+    num_computed: int = 0  # of those, tokens whose micro-batch came back
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """Prompt tokens remain to be scheduled."""
+        return self.num_scheduled < self.prompt_len
+
+    @property
+    def in_flight(self) -> bool:
+        """Part of a micro-batch that has not come back yet."""
+        return self.num_scheduled > self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_at(self, position: int) -> int:
+        """Token id at a sequence position (prompt, then generated tokens)."""
+        if position < self.prompt_len:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - self.prompt_len]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids
+    finish_reason: FinishReason
+    arrival_s: float
+    first_token_s: float | None
+    finish_s: float | None
+    error: str | None = None  # what failed, when finish_reason is ERROR
+
+
+def check_prompt(prompt: object, params: SamplingParams, vocab_size: int, max_len: int) -> list[str]:
+    """Everything wrong with one request; empty when it can run."""
+    out = list(params.problems())
+    if not isinstance(prompt, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        return out + ["prompt must be a list of int token ids"]
+    if len(prompt) == 0:
+        out.append("prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        out.append(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if isinstance(params.max_tokens, int) and len(prompt) + params.max_tokens > max_len:
+        out.append(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{len(prompt) + params.max_tokens} exceeds max positions {max_len}"
+        )
+    return out
