@@ -8,6 +8,7 @@ before it is copied, and a mismatch names the tensor, both shapes and the config
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +33,16 @@ def _first(value):
     return value[0] if isinstance(value, list) else value
 
 
+def _eos(hf: dict, vocab_size: int, name: str) -> int | None:
+    """The first EOS id; one outside the vocabulary (random test configs) is dropped."""
+    eos = _first(hf.get("eos_token_id"))
+    if eos is not None and not 0 <= eos < vocab_size:
+        warnings.warn(f"{name}: eos_token_id {eos} is outside the vocabulary [0, {vocab_size}); "
+                      "generation will stop on max_tokens only", stacklevel=3)
+        return None
+    return eos
+
+
 def model_config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
     kind = hf.get("model_type")
     if kind == "gpt2":
@@ -42,7 +53,7 @@ def model_config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             activation=hf.get("activation_function", "gelu_new"), bias=True,
             tie_embeddings=hf.get("tie_word_embeddings", True),
-            eos_token_id=_first(hf.get("eos_token_id")),
+            eos_token_id=_eos(hf, hf["vocab_size"], name),
         )
     if kind == "llama":
         rope_params = hf.get("rope_parameters") or {}
@@ -65,7 +76,7 @@ def model_config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
             rope_theta=float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))),
             activation=hf.get("hidden_act", "silu"), bias=bool(hf.get("attention_bias", False)),
             tie_embeddings=hf.get("tie_word_embeddings", False),
-            eos_token_id=_first(hf.get("eos_token_id")),
+            eos_token_id=_eos(hf, hf["vocab_size"], name),
         )
     raise ConfigError(f"model.family: unknown model family {kind!r} in {name}/config.json; "
                       "supported model_type values: gpt2, llama")
