@@ -35,7 +35,7 @@ class StageWorker:
             model.init_random(cfg.runtime.seed)
         else:
             load_stage_weights(model, checkpoint)
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)
         self.cache = KVCache.for_stage(cfg, self.hi - self.lo, dtype, device)
 
     @property
