@@ -18,7 +18,7 @@ import yaml
 
 FAMILIES = ("gpt", "llama")
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
-PLANNERS = ("sarathi",)  # the planner issue adds orca, request-level, vllm, uniform
+PLANNERS = ("sarathi", "orca-best", "orca-worst", "request-level", "vllm", "uniform")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -110,6 +110,9 @@ class PlannerConfig:
     max_batch_size: int = 8  # B: sequences per micro-batch (1 prefill chunk + B-1 decodes)
     tile_size: int = 128  # GPU matmul tile; chunk + decodes should be a multiple of it
     tile_align: bool = True  # shrink the chunk by the piggybacked decodes so chunk + decodes = C
+    token_budget: int | None = None  # vllm: prefill tokens per micro-batch; None = max_seq_len
+    target_ms: float | None = None  # uniform: predicted ms per micro-batch; None = a full
+    #                                 SARATHI micro-batch with decodes at half the KV length
 
 
 @dataclass(frozen=True)
@@ -236,10 +239,15 @@ def validate(cfg: Config) -> None:
     _check(pl.max_batch_size >= 1, "planner.max_batch_size",
            f"must be >= 1, got {pl.max_batch_size}", "use e.g. 8")
     _check(pl.tile_size >= 1, "planner.tile_size", f"must be >= 1, got {pl.tile_size}", "use 128")
-    _check(not pl.tile_align or pl.chunk_size >= pl.max_batch_size, "planner.chunk_size",
+    _check(pl.planner not in ("sarathi", "uniform") or not pl.tile_align
+           or pl.chunk_size >= pl.max_batch_size, "planner.chunk_size",
            f"chunk_size {pl.chunk_size} leaves no prefill token beside "
            f"{pl.max_batch_size - 1} piggybacked decodes",
            "raise chunk_size above max_batch_size or set tile_align: false")
+    _check(pl.token_budget is None or pl.token_budget >= 1, "planner.token_budget",
+           f"must be >= 1, got {pl.token_budget}", "leave it unset for max_seq_len")
+    _check(pl.target_ms is None or pl.target_ms > 0, "planner.target_ms",
+           f"must be > 0, got {pl.target_ms}", "leave it unset for the default target")
     _check(c.kv_slots is None or c.kv_slots >= 1, "cache.kv_slots",
            f"must be >= 1, got {c.kv_slots}", "leave it unset for pp * max_batch_size")
     _check(c.max_seq_len is None or 1 <= c.max_seq_len <= m.max_positions, "cache.max_seq_len",

@@ -20,7 +20,8 @@ class Executor(Protocol):
 
 class Planner(Protocol):
     def has_work(self) -> bool: ...
-    def schedule(self) -> MicroBatch | None: ...
+    def schedule(self, now: float) -> MicroBatch | None: ...
+    def next_arrival_s(self) -> float | None: ...
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]: ...
     def abort_all(self, reason: FinishReason, now: float) -> list[Request]: ...
 
@@ -34,16 +35,21 @@ class ExecutorFailed(RuntimeError):
 
 def run(planner: Planner, executor: Executor, depth: int,
         clock: Callable[[], float] = time.perf_counter,
-        on_microbatch: OnMicroBatch | None = None) -> None:
+        on_microbatch: OnMicroBatch | None = None,
+        sleep: Callable[[float], None] = time.sleep) -> None:
     """Run until the planner has no work left. On an executor error, end every
     unfinished request with finish reason `error` and raise ExecutorFailed."""
     in_flight: deque[tuple[MicroBatch, object]] = deque()
     try:
         while planner.has_work():
-            while len(in_flight) < depth and (mb := planner.schedule()) is not None:
+            while len(in_flight) < depth and (mb := planner.schedule(clock())) is not None:
                 in_flight.append((mb, executor.submit(mb)))
             if not in_flight:
-                raise RuntimeError("planner has work but scheduled nothing (no free KV slot?)")
+                arrival = planner.next_arrival_s()
+                if arrival is None or arrival <= clock():
+                    raise RuntimeError("planner has work but scheduled nothing")
+                sleep(arrival - clock())  # idle until the next request arrives
+                continue
             mb, handle = in_flight.popleft()
             out = executor.wait(handle)
             planner.on_result(mb, out, clock())

@@ -1,11 +1,29 @@
-"""Micro-batch planners: pure Python, no torch. `make_planner` picks one by name."""
+"""Micro-batch planners: pure Python, no torch. `make_planner` picks one by name.
+
+| name | policy |
+| --- | --- |
+| sarathi | one prefill chunk + decodes, tile-aligned (the paper) |
+| uniform | sarathi with the chunk sized by predicted time (this project) |
+| orca-best | one whole prefill + decodes |
+| orca-worst | whole prefills or decodes, never both |
+| vllm | prefill-first with a token budget, whole prefills |
+| request-level | groups of B prefilled and decoded together (FasterTransformer) |
+"""
 from __future__ import annotations
 
 from pp_runtime.config import Config
+from pp_runtime.planner.base import BasePlanner
+from pp_runtime.planner.orca import OrcaBestPlanner, OrcaWorstPlanner
+from pp_runtime.planner.request_level import RequestLevelPlanner
 from pp_runtime.planner.sarathi import SarathiPlanner
+from pp_runtime.planner.uniform import UniformPlanner
+from pp_runtime.planner.vllm import VllmPlanner
 
-PLANNERS = {"sarathi": SarathiPlanner}
+PLANNERS: dict[str, type[BasePlanner]] = {
+    cls.name: cls for cls in (SarathiPlanner, UniformPlanner, OrcaBestPlanner, OrcaWorstPlanner,
+                              VllmPlanner, RequestLevelPlanner)
+}
 
 
-def make_planner(cfg: Config) -> SarathiPlanner:
-    return PLANNERS[cfg.planner.planner](cfg, eos_token_id=cfg.model.eos_token_id)
+def make_planner(cfg: Config) -> BasePlanner:
+    return PLANNERS[cfg.planner.planner](cfg)

@@ -1,0 +1,131 @@
+"""What every planner shares: admission by KV slot, the two counters, finishing.
+
+A planner is pure Python with the clock passed in. Each policy only says which sequences
+go into the next micro-batch (`compose`); the rules below hold for all of them:
+
+- a request is admitted (FCFS, once it has arrived) only when a KV slot is free;
+- a request is in at most one in-flight micro-batch (`in_flight`: scheduled > computed);
+- every prompt token is scheduled exactly once, in order; every request ends with a
+  finish reason (length, eos, or error).
+"""
+from __future__ import annotations
+
+import warnings
+from collections import deque
+
+from pp_runtime.batch import MicroBatch, SampledTokens, Sampling, SeqChunk
+from pp_runtime.config import Config
+from pp_runtime.request import FinishReason, Request
+
+
+class BasePlanner:
+    name = "base"
+
+    def __init__(self, cfg: Config):
+        pl = cfg.planner
+        self.cfg = cfg
+        self.chunk_size, self.max_batch, self.tile_align = pl.chunk_size, pl.max_batch_size, pl.tile_align
+        self.eos = cfg.model.eos_token_id
+        self.free_slots = deque(range(cfg.num_slots))
+        self.waiting: deque[Request] = deque()  # arrived or not, not yet admitted (FCFS)
+        self.running: list[Request] = []  # admitted, in admission order
+        self.requests: dict[int, Request] = {}
+        self._next_mb = 0
+
+    # ---- intake ----------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if self.waiting and req.arrival_s < self.waiting[-1].arrival_s:
+            raise ValueError(f"request {req.request_id}: requests must be added in arrival order")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def next_arrival_s(self) -> float | None:
+        """When the next waiting request arrives (None when none waits)."""
+        return self.waiting[0].arrival_s if self.waiting else None
+
+    def admit(self, now: float) -> None:
+        while self.waiting and self.free_slots and self.waiting[0].arrival_s <= now:
+            req = self.waiting.popleft()
+            req.slot = self.free_slots.popleft()
+            self.running.append(req)
+
+    # ---- building blocks for policies --------------------------------------------------
+    def idle(self) -> list[Request]:
+        """Admitted requests not in flight, in admission order."""
+        return [r for r in self.running if not r.in_flight]
+
+    @staticmethod
+    def decode(req: Request) -> SeqChunk:
+        """Feed the last generated token back (advances the scheduled counter)."""
+        pos = req.num_scheduled
+        req.num_scheduled += 1
+        return SeqChunk(req.request_id, req.slot, pos, (req.token_at(pos),),
+                        Sampling(req.params.temperature, req.params.top_p, req.seed), is_decode=True)
+
+    @staticmethod
+    def prefill(req: Request, n: int | None = None) -> SeqChunk:
+        """The next n prompt tokens (all that remain when n is None)."""
+        start = req.num_scheduled
+        end = req.prompt_len if n is None else min(req.prompt_len, start + n)
+        req.num_scheduled = end
+        last = end == req.prompt_len
+        sampling = Sampling(req.params.temperature, req.params.top_p, req.seed) if last else None
+        return SeqChunk(req.request_id, req.slot, start, tuple(req.prompt_token_ids[start:end]), sampling)
+
+    def compose(self, now: float) -> list[SeqChunk]:
+        """The policy: sequences of the next micro-batch (may be empty)."""
+        raise NotImplementedError
+
+    # ---- the planner interface ---------------------------------------------------------
+    def schedule(self, now: float = 0.0) -> MicroBatch | None:
+        """The next micro-batch, or None when nothing can run now."""
+        self.admit(now)
+        seqs = self.compose(now)
+        if not seqs:
+            return None
+        mb = MicroBatch(self._next_mb, tuple(seqs))
+        self._next_mb += 1
+        return mb
+
+    def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
+        """Record a finished micro-batch; returns the requests it finished."""
+        finished = []
+        for s in mb.seqs:
+            req = self.requests[s.request_id]
+            req.num_computed += s.num_tokens
+            if s.sampling is None:
+                continue
+            token = out.tokens[s.request_id]
+            req.output_token_ids.append(token)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            if token == self.eos and not req.params.ignore_eos:
+                self.finish(req, FinishReason.EOS, now)
+            elif len(req.output_token_ids) >= req.params.max_tokens:
+                self.finish(req, FinishReason.LENGTH, now)
+            if req.finished:
+                finished.append(req)
+        return finished
+
+    def finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        req.finish_reason, req.finish_s = reason, now
+        self.running.remove(req)
+        self.free_slots.append(req.slot)
+
+    def abort_all(self, reason: FinishReason, now: float) -> list[Request]:
+        """End every unfinished request (e.g. after an executor failure)."""
+        ended = list(self.running) + list(self.waiting)
+        for req in ended:
+            req.finish_reason, req.finish_s = reason, now
+        self.running, self.waiting = [], deque()
+        return ended
+
+
+def warn_untiled(cfg: Config) -> None:
+    pl = cfg.planner
+    if pl.tile_align and pl.chunk_size % pl.tile_size:
+        warnings.warn(f"planner.chunk_size {pl.chunk_size} is not a multiple of tile_size "
+                      f"{pl.tile_size}: matmuls waste part of a tile", stacklevel=3)

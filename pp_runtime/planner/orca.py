@@ -1,0 +1,37 @@
+"""Orca-style iteration-level scheduling with whole prefills (no chunking), paper §5.2.
+
+- `orca-best`: at most one whole prefill per micro-batch, plus up to B - 1 decodes
+  (the best case the paper compares against: the prefill overlaps ongoing decodes).
+  It is SARATHI with the chunk size set to the sequence length.
+- `orca-worst`: prefills and decodes never share a micro-batch: whole prefills of up to
+  B waiting requests go first; otherwise a decode-only batch (the paper's worst case,
+  where requests start and end together and nothing overlaps).
+"""
+from __future__ import annotations
+
+from pp_runtime.batch import SeqChunk
+from pp_runtime.planner.base import BasePlanner
+
+
+class OrcaBestPlanner(BasePlanner):
+    name = "orca-best"
+
+    def compose(self, now: float) -> list[SeqChunk]:
+        idle = self.idle()
+        prefill = next((r for r in idle if r.in_prefill), None)
+        limit = self.max_batch - 1 if prefill else self.max_batch
+        seqs = [self.decode(r) for r in [r for r in idle if not r.in_prefill][:limit]]
+        if prefill:
+            seqs.append(self.prefill(prefill))
+        return seqs
+
+
+class OrcaWorstPlanner(BasePlanner):
+    name = "orca-worst"
+
+    def compose(self, now: float) -> list[SeqChunk]:
+        idle = self.idle()
+        prefills = [r for r in idle if r.in_prefill][: self.max_batch]
+        if prefills:
+            return [self.prefill(r) for r in prefills]
+        return [self.decode(r) for r in idle[: self.max_batch]]

@@ -1,0 +1,60 @@
+"""Request-level scheduling, as in FasterTransformer (paper §2.3).
+
+Requests run in groups of up to B, one group per micro-batch slot of the pipeline. A group
+is prefilled together (whole prompts, one micro-batch), then decoded together until every
+member has finished; only then are its KV slots released and the next group admitted.
+Members that finish early drop out of the batches (FasterTransformer would pad them), but
+keep their slot until the group ends.
+"""
+from __future__ import annotations
+
+from pp_runtime.batch import SeqChunk
+from pp_runtime.config import Config
+from pp_runtime.planner.base import BasePlanner
+from pp_runtime.request import FinishReason, Request
+
+
+class RequestLevelPlanner(BasePlanner):
+    name = "request-level"
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.groups: list[list[Request]] = []  # active groups, oldest first
+
+    def admit(self, now: float) -> None:
+        """Form a new group from arrived requests when B slots are free (or fewer requests
+        remain); requests never join a running group."""
+        while self.waiting and self.waiting[0].arrival_s <= now:
+            arrived = sum(1 for r in self.waiting if r.arrival_s <= now)
+            size = min(self.max_batch, arrived)
+            if len(self.free_slots) < size:
+                return
+            group = []
+            for _ in range(size):
+                req = self.waiting.popleft()
+                req.slot = self.free_slots.popleft()
+                group.append(req)
+            self.running.extend(group)
+            self.groups.append(group)
+
+    def compose(self, now: float) -> list[SeqChunk]:
+        for group in self.groups:
+            live = [r for r in group if not r.finished]
+            if not live or any(r.in_flight for r in live):
+                continue
+            if any(r.in_prefill for r in live):
+                return [self.prefill(r) for r in live]
+            return [self.decode(r) for r in live]
+        return []
+
+    def finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        req.finish_reason, req.finish_s = reason, now
+        self.running.remove(req)
+        group = next(g for g in self.groups if req in g)
+        if all(r.finished for r in group):  # the whole group is done: release its slots
+            self.groups.remove(group)
+            self.free_slots.extend(r.slot for r in group)
+
+    def abort_all(self, reason: FinishReason, now: float) -> list[Request]:
+        self.groups = []
+        return super().abort_all(reason, now)
