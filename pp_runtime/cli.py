@@ -13,7 +13,8 @@ import time
 
 import yaml
 
-from pp_runtime.config import Config, ConfigError, load_config, memory_plan
+from pp_runtime.config import CheckpointError, Config, ConfigError, load_config, memory_plan
+from pp_runtime.driver import ExecutorFailed
 from pp_runtime.request import InvalidRequestError, SamplingParams
 
 
@@ -137,9 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, InvalidRequestError) as exc:
+    except (ConfigError, InvalidRequestError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ExecutorFailed as exc:
+        print(f"error: the run failed, unfinished requests ended with finish reason error: {exc}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

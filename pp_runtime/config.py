@@ -26,6 +26,10 @@ class ConfigError(ValueError):
     """A configuration that cannot work. The message names the field and the fix."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config or cannot be read."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "gpt2-small"  # label used in reports

@@ -14,12 +14,8 @@ from typing import Callable
 
 import torch
 
-from pp_runtime.config import ConfigError, ModelConfig
+from pp_runtime.config import CheckpointError, ConfigError, ModelConfig  # noqa: F401
 from pp_runtime.model.transformer import StageModel
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config or cannot be read."""
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -128,8 +124,8 @@ def _gpt_sources(m: ModelConfig, r: TensorReader) -> dict[str, Callable[[], torc
         "pos_embed.weight": lambda: r.get(f"{pre}wpe.weight", (m.max_positions, h), f"{P}, {H}"),
         "final_norm.weight": lambda: r.get(f"{pre}ln_f.weight", (h,), H),
         "final_norm.bias": lambda: r.get(f"{pre}ln_f.bias", (h,), H),
-        "lm_head.weight": lambda: r.get("lm_head.weight" if not m.tied and r.has("lm_head.weight")
-                                        else f"{pre}wte.weight", (m.vocab_size, h), f"{V}, {H}"),
+        "lm_head.weight": lambda: r.get(f"{pre}wte.weight" if m.tied else "lm_head.weight",
+                                        (m.vocab_size, h), f"{V}, {H}"),
     }
     convs = {"qkv": ("attn.c_attn", h, 3 * h), "out": ("attn.c_proj", h, h),
              "fc1": ("mlp.c_fc", h, f), "fc2": ("mlp.c_proj", f, h)}

@@ -26,7 +26,7 @@ class RequestLevelPlanner(BasePlanner):
         remain); requests never join a running group."""
         while self.waiting and self.waiting[0].arrival_s <= now:
             arrived = sum(1 for r in self.waiting if r.arrival_s <= now)
-            size = min(self.max_batch, arrived)
+            size = min(self.max_batch, arrived, self.cfg.num_slots)
             if len(self.free_slots) < size:
                 return
             group = []

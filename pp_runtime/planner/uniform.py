@@ -1,12 +1,14 @@
-"""`uniform`: SARATHI whose chunk is sized by predicted time, not by token count.
+"""`uniform`: SARATHI whose chunk is sized by predicted time, not by token count alone.
 
-Equal-token micro-batches still differ in time when their decodes attend to different KV
-lengths, or when a chunk sits late in a long prompt (attention grows with KV length;
-the paper's PB3). `uniform` composes a micro-batch as SARATHI does (decodes first, then
-one chunk), but picks the largest chunk whose predicted micro-batch time stays within a
-target (never more than SARATHI's tile-aligned chunk, never less than C / 8 tokens, so
-prompts keep moving). Target: `planner.target_ms`, or by default the predicted time of a
-full SARATHI micro-batch (B - 1 decodes at half the KV length plus its chunk).
+Equal-token micro-batches still differ in time: decodes attend to different KV lengths
+(the paper's PB3) and a chunk late in a long prompt attends to more keys. The slowest
+micro-batch sets the pace of the whole pipeline. `uniform` composes a micro-batch as
+SARATHI does (decodes first, then one chunk) and takes SARATHI's chunk when its predicted
+time fits the target; otherwise the largest smaller chunk that fits (never under C / 8
+tokens, so prompts keep moving).
+
+Target: `planner.target_ms`, or by default the predicted time of a full SARATHI
+micro-batch whose B - 1 decodes attend to half the KV length (a typical heavy batch).
 """
 from __future__ import annotations
 
@@ -31,15 +33,14 @@ class UniformPlanner(SarathiPlanner):
         self.min_chunk = max(1, self.chunk_size // 8)
 
     def chunk_budget(self, decodes: list[SeqChunk], start: int) -> int:
-        """Largest chunk (binary search) whose micro-batch fits the target time."""
+        """SARATHI's chunk if it fits the target, else the largest that does."""
         kv = [s.kv_len for s in decodes]
+        fits = lambda n: self.cost.microbatch_time([(start, n)], kv) <= self.target_s  # noqa: E731
         lo, hi = self.min_chunk, super().chunk_budget(decodes, start)
-        if hi <= lo or self.cost.microbatch_time([(start, hi)], kv) <= self.target_s:
+        if hi <= lo or fits(hi):
             return max(hi, 1)
-        while lo < hi:  # invariant: lo fits or is the floor; hi does not fit
+        hi -= 1
+        while lo < hi:  # largest n in [lo, hi] that fits (lo when none does)
             mid = (lo + hi + 1) // 2
-            if self.cost.microbatch_time([(start, mid)], kv) <= self.target_s:
-                lo = mid
-            else:
-                hi = mid - 1
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
