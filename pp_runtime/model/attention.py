@@ -5,8 +5,9 @@ per micro-batch, which rows belong to which sequence; every layer reuses it.
 
 - A prefill chunk at positions [start, start + n) attends causally to its own earlier KV
   (already cached) plus itself (paper Fig. 6), so chunked prefill equals full prefill.
-- Decodes (one token each) are stacked and attend, in one call, to their own KV padded to
-  the longest of them, with a mask per row.
+- Decodes (one token each) attend to their own KV: on GPU in one call, padded to the
+  longest of them with a mask per row; on CPU one call per decode on views of the cache
+  (no gather copy), which is ~4x faster there.
 """
 from __future__ import annotations
 
@@ -36,9 +37,16 @@ class BatchLayout:
     decode_slots: torch.Tensor  # [num_decodes]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_kv] True where a key is attended
     sample_rows: torch.Tensor  # [num_sampling] last row of each sequence that samples
+    decode_slot_list: list[int]  # the same slots as plain ints (per-decode path)
+    decode_lens: list[int]  # KV length each decode attends to, its own token included
 
     @classmethod
-    def build(cls, mb: MicroBatch, device: torch.device) -> "BatchLayout":
+    def build(cls, mb: MicroBatch, device: torch.device,
+              batched_decodes: bool | None = None) -> "BatchLayout":
+        """`batched_decodes`: one padded attention call for all decodes (default on GPU) or
+        one call per decode on cache views (default on CPU)."""
+        if batched_decodes is None:
+            batched_decodes = device.type == "cuda"
         positions, slots, prefills, sample_rows = [], [], [], []
         dec_rows, dec_slots, dec_lens = [], [], []
         row = 0
@@ -56,13 +64,13 @@ class BatchLayout:
             if s.sampling is not None:
                 sample_rows.append(row - 1)
         mask = None
-        if dec_lens:
+        if dec_lens and batched_decodes:
             lens = torch.tensor(dec_lens, device=device)
             mask = torch.arange(max(dec_lens), device=device)[None, :] < lens[:, None]
             mask = mask[:, None, None, :]  # [D, 1, 1, max_kv]
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         return cls(as_long(positions), as_long(slots), prefills, as_long(dec_rows),
-                   as_long(dec_slots), mask, as_long(sample_rows))
+                   as_long(dec_slots), mask, as_long(sample_rows), dec_slots, dec_lens)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -85,13 +93,27 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q: [D, heads, head_dim], one token per decode; mask: [D, 1, 1, max_kv].
+    """All decodes in one call (GPU): gather each slot's KV, padded to the longest, and mask.
+    q: [D, heads, head_dim], one token per decode; mask: [D, 1, 1, max_kv].
     Returns [D, heads, head_dim]."""
     max_kv = mask.shape[-1]
     k = k_cache[slots, :max_kv].transpose(1, 2)  # [D, kv_heads, max_kv, head_dim]
     v = v_cache[slots, :max_kv].transpose(1, 2)
     o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, enable_gqa=True)
     return o[:, :, 0, :]  # [D, heads, head_dim]
+
+
+def decode_attention_views(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slots: list[int], kv_lens: list[int]) -> torch.Tensor:
+    """One call per decode on views of the cache (CPU): no gather copy, no padding, which is
+    ~4x faster than the gathered batch there. Same arguments and result as
+    `decode_attention`, with slots and KV lengths as lists."""
+    out = torch.empty_like(q)
+    for i, (slot, n) in enumerate(zip(slots, kv_lens)):
+        k = k_cache[slot, :n].transpose(0, 1)  # [kv_heads, n, head_dim], a view
+        v = v_cache[slot, :n].transpose(0, 1)
+        out[i] = F.scaled_dot_product_attention(q[i][:, None, :], k, v, enable_gqa=True)[:, 0, :]
+    return out
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -104,10 +126,13 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     for span in layout.prefills:
         out[span.rows] = prefill_attention(q[span.rows], k_cache, v_cache, span)
+    rows = layout.decode_rows
     if layout.decode_mask is not None:
-        rows = layout.decode_rows
         out[rows] = decode_attention(q[rows], k_cache, v_cache, layout.decode_slots,
                                      layout.decode_mask)
+    elif layout.decode_lens:
+        out[rows] = decode_attention_views(q[rows], k_cache, v_cache, layout.decode_slot_list,
+                                           layout.decode_lens)
     return out
 
 
