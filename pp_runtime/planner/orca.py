@@ -10,20 +10,21 @@
 from __future__ import annotations
 
 from pp_runtime.batch import SeqChunk
+from pp_runtime.config import Config
 from pp_runtime.planner.base import BasePlanner
+from pp_runtime.planner.sarathi import SarathiPlanner
 
 
-class OrcaBestPlanner(BasePlanner):
+class OrcaBestPlanner(SarathiPlanner):
+    """SARATHI's composition with a chunk as long as any prompt: whole prefills."""
+
     name = "orca-best"
 
-    def compose(self, now: float) -> list[SeqChunk]:
-        idle = self.idle()
-        prefill = next((r for r in idle if r.in_prefill), None)
-        limit = self.max_batch - 1 if prefill else self.max_batch
-        seqs = [self.decode(r) for r in [r for r in idle if not r.in_prefill][:limit]]
-        if prefill:
-            seqs.append(self.prefill(prefill))
-        return seqs
+    def __init__(self, cfg: Config):
+        BasePlanner.__init__(self, cfg)  # no tile warning: chunks are whole prompts
+
+    def chunk_budget(self, decodes: list[SeqChunk], start: int) -> int:
+        return self.cfg.seq_len
 
 
 class OrcaWorstPlanner(BasePlanner):
