@@ -1,0 +1,1 @@
+"""Telemetry: bubble accounting (more reports come with the simulator)."""
