@@ -1,0 +1,112 @@
+"""Request workloads: what arrives when, with how many prompt and output tokens.
+
+- `zipf`: total lengths Zipf(theta) over [min_len, max_len] (rank r has weight 1 / r^theta,
+  rank 1 = min_len), split into prompt and output by the P:D ratio (the paper's generator);
+- `fixed`: every request has prompt_len + output_len;
+- `trace`: a JSONL file, one {"arrival_s", "prompt_len", "output_len"} per line.
+Arrivals: all at once (`qps: null`) or Poisson at `qps` requests per second.
+Pure Python + numpy; the same seed gives the same workload.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pp_runtime.config import ConfigError
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    kind: str = "zipf"  # zipf | fixed | trace
+    num_requests: int = 100  # zipf, fixed (a trace has its own length)
+    min_len: int = 1024  # zipf: shortest total length (prompt + output), tokens
+    max_len: int = 4096  # zipf: longest total length
+    theta: float = 0.4  # zipf exponent: 0 = uniform, larger = more short requests
+    pd_ratio: float = 10.0  # prompt tokens per output token (P:D)
+    prompt_len: int = 512  # fixed
+    output_len: int = 64  # fixed
+    qps: float | None = None  # Poisson arrivals per second; None = all at time 0
+    trace: str | None = None  # trace: path of the JSONL file
+    seed: int = 0
+
+    def validate(self) -> "WorkloadConfig":
+        def check(ok, name, problem):
+            if not ok:
+                raise ConfigError(f"workload.{name}: {problem}")
+        check(self.kind in ("zipf", "fixed", "trace"), "kind", f"unknown kind {self.kind!r}; "
+              "use zipf, fixed or trace")
+        check(self.num_requests >= 1, "num_requests", f"must be >= 1, got {self.num_requests}")
+        check(2 <= self.min_len <= self.max_len, "min_len",
+              f"need 2 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        check(self.theta >= 0, "theta", f"must be >= 0, got {self.theta}")
+        check(self.pd_ratio > 0, "pd_ratio", f"must be > 0, got {self.pd_ratio}")
+        check(self.prompt_len >= 1 and self.output_len >= 1, "prompt_len",
+              "prompt_len and output_len must be >= 1")
+        check(self.qps is None or self.qps > 0, "qps", f"must be > 0 or null, got {self.qps}")
+        check(self.kind != "trace" or self.trace, "trace", "kind trace needs a trace file")
+        return self
+
+
+def zipf_lengths(n: int, lo: int, hi: int, theta: float, rng: np.random.Generator) -> np.ndarray:
+    """n totals in [lo, hi]: value lo + r - 1 with probability proportional to 1 / r^theta."""
+    ranks = np.arange(1, hi - lo + 2, dtype=np.float64)
+    p = ranks ** -theta
+    return lo + rng.choice(len(ranks), size=n, p=p / p.sum())
+
+
+def split_pd(total: int, pd_ratio: float) -> tuple[int, int]:
+    """Prompt and output tokens of a request of `total` tokens with the given P:D ratio."""
+    output = max(1, round(total / (pd_ratio + 1)))
+    return total - output, output
+
+
+def read_trace(path: str | Path) -> list[RequestSpec]:
+    specs = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            spec = RequestSpec(float(row["arrival_s"]), int(row["prompt_len"]), int(row["output_len"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}:{i}: expected {{arrival_s, prompt_len, output_len}}: {exc}") from exc
+        if spec.prompt_len < 1 or spec.output_len < 1 or spec.arrival_s < 0:
+            raise ConfigError(f"{path}:{i}: lengths must be >= 1 and arrival_s >= 0, got {row}")
+        specs.append(spec)
+    if not specs:
+        raise ConfigError(f"{path}: no requests")
+    return sorted(specs, key=lambda s: s.arrival_s)
+
+
+def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
+    """The requests of a workload, in arrival order."""
+    cfg.validate()
+    if cfg.kind == "trace":
+        return read_trace(cfg.trace)
+    rng = np.random.default_rng(cfg.seed)
+    n = cfg.num_requests
+    if cfg.kind == "zipf":
+        lengths = [split_pd(int(t), cfg.pd_ratio)
+                   for t in zipf_lengths(n, cfg.min_len, cfg.max_len, cfg.theta, rng)]
+    else:
+        lengths = [(cfg.prompt_len, cfg.output_len)] * n
+    arrivals = (np.zeros(n) if cfg.qps is None
+                else np.cumsum(rng.exponential(1.0 / cfg.qps, size=n)))
+    return [RequestSpec(float(a), p, d) for a, (p, d) in zip(arrivals, lengths)]
+
+
+def write_trace(specs: list[RequestSpec], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for s in specs:
+            f.write(json.dumps({"arrival_s": s.arrival_s, "prompt_len": s.prompt_len,
+                                "output_len": s.output_len}) + "\n")
