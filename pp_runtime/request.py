@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pp_runtime.batch import Sampling
+
 
 class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens generated
@@ -74,6 +76,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def sampling(self) -> Sampling:
+        """How the last stage picks this request's next token."""
+        return Sampling(self.params.temperature, self.params.top_p, self.seed)
 
     def token_at(self, position: int) -> int:
         """Token id at a sequence position (prompt, then generated tokens)."""

@@ -11,7 +11,7 @@ per micro-batch, which rows belong to which sequence; every layer reuses it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,20 @@ class BatchLayout:
     sample_rows: torch.Tensor  # [num_sampling] last row of each sequence that samples
     decode_slot_list: list[int]  # the same slots as plain ints (per-decode path)
     decode_lens: list[int]  # KV length each decode attends to, its own token included
+    _rope: dict = field(default_factory=dict)  # (theta, head_dim, dtype) -> (cos, sin)
+
+    def rope_tables(self, theta: float, head_dim: int, dtype: torch.dtype):
+        """cos, sin [T, 1, head_dim] for every row; computed once per micro-batch and
+        shared by every layer (and by q and k)."""
+        key = (theta, head_dim, dtype)
+        if key not in self._rope:
+            device = self.positions.device
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
+                                                     dtype=torch.float32) / head_dim))
+            freqs = self.positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
+            self._rope[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._rope[key]
 
     @classmethod
     def build(cls, mb: MicroBatch, device: torch.device,
@@ -136,14 +150,10 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, Hugging Face LLaMA convention (rotate halves).
-    x: [T, heads, head_dim]; positions: [T]."""
+    x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim] from `BatchLayout.rope_tables`."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin

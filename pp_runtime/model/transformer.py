@@ -80,7 +80,8 @@ class DecoderLayer(nn.Module):
         k = qkv[:, q_dim:q_dim + kv_dim].view(-1, self.kv_heads, self.head_dim)
         v = qkv[:, q_dim + kv_dim:].view(-1, self.kv_heads, self.head_dim)
         if self.family == "llama":
-            q, k = rope(q, layout.positions, self.rope_theta), rope(k, layout.positions, self.rope_theta)
+            cos, sin = layout.rope_tables(self.rope_theta, self.head_dim, q.dtype)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         attn = hybrid_attention(q, k, v, k_cache, v_cache, layout)  # [T, heads, head_dim]
         x = x + self.out(attn.reshape(-1, q_dim))
         h = self.fc1(self.mlp_norm(x))  # [T, ffn] or [T, 2 * ffn] (gate, up)

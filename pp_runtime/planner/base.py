@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from collections import deque
 
-from pp_runtime.batch import MicroBatch, SampledTokens, Sampling, SeqChunk
+from pp_runtime.batch import MicroBatch, SampledTokens, SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.request import FinishReason, Request
 
@@ -62,8 +62,8 @@ class BasePlanner:
         """Feed the last generated token back (advances the scheduled counter)."""
         pos = req.num_scheduled
         req.num_scheduled += 1
-        return SeqChunk(req.request_id, req.slot, pos, (req.token_at(pos),),
-                        Sampling(req.params.temperature, req.params.top_p, req.seed), is_decode=True)
+        return SeqChunk(req.request_id, req.slot, pos, (req.token_at(pos),), req.sampling(),
+                        is_decode=True)
 
     @staticmethod
     def prefill(req: Request, n: int | None = None) -> SeqChunk:
@@ -71,8 +71,7 @@ class BasePlanner:
         start = req.num_scheduled
         end = req.prompt_len if n is None else min(req.prompt_len, start + n)
         req.num_scheduled = end
-        last = end == req.prompt_len
-        sampling = Sampling(req.params.temperature, req.params.top_p, req.seed) if last else None
+        sampling = req.sampling() if end == req.prompt_len else None  # the prompt's last chunk
         return SeqChunk(req.request_id, req.slot, start, tuple(req.prompt_token_ids[start:end]), sampling)
 
     def compose(self, now: float) -> list[SeqChunk]:
