@@ -13,7 +13,8 @@ import time
 
 import yaml
 
-from pp_runtime.config import CheckpointError, Config, ConfigError, load_config, memory_plan
+from pp_runtime.config import CheckpointError, Config, ConfigError, load_config
+from pp_runtime.memory import memory_plan
 from pp_runtime.driver import ExecutorFailed
 from pp_runtime.request import InvalidRequestError, SamplingParams
 

@@ -1,15 +1,16 @@
 """Configuration: frozen dataclasses, YAML loading and validation.
 
-A `Config` has five sections (model, parallel, cache, planner, runtime). Every field
-has a default that works on a laptop. Field names are unique across sections, so
-`Config.with_overrides(chunk_size=64, pp=2)` needs no section prefix.
+A `Config` has seven sections (model, parallel, cache, planner, runtime, hardware,
+workload). Every field has a default that works on a laptop. Overrides name a field by
+itself when the name is unique across sections (`with_overrides(chunk_size=64, pp=2)`),
+or as `section.field`. A bare name in two sections means the first (`seed` is
+runtime.seed; the workload's is `workload.seed`).
 
 `validate()` raises `ConfigError` naming the field and the fix; it does no I/O.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,8 @@ PLANNERS = ("sarathi", "orca-best", "orca-worst", "request-level", "vllm", "unif
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot work. The message names the field and the fix."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config or cannot be read."""
+from pp_runtime.errors import CheckpointError, ConfigError  # noqa: F401  (re-exported)
+from pp_runtime.workload import WorkloadConfig
 
 
 @dataclass(frozen=True)
@@ -97,6 +94,8 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1  # tensor-parallel ranks per stage
     pp: int = 1  # pipeline stages; up to pp micro-batches are in flight
+    dp: int = 1  # data-parallel replicas of the tp x pp deployment (the simulator routes
+    #              each request to the least-loaded one)
 
 
 @dataclass(frozen=True)
@@ -126,12 +125,24 @@ class RuntimeConfig:
     executor: str = "local"  # "local": every stage in this process
 
 
+@dataclass(frozen=True)
+class HardwareConfig:
+    """What the simulator prices: the GPU, how GPUs sit in nodes, which profile to use."""
+
+    gpu: str = "a100-80gb"  # a100-80gb | h100 | h200 (spec sheet + shipped profiles)
+    gpus_per_node: int = 8  # a stage's TP group stays in one node; stages fill nodes in order
+    profile: str | None = None  # directory written by `pp-runtime profile` (measured here);
+    #                             None = the shipped A100/H100 profiles, then the roofline
+
+
 SECTIONS = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
     "cache": CacheConfig,
     "planner": PlannerConfig,
     "runtime": RuntimeConfig,
+    "hardware": HardwareConfig,
+    "workload": WorkloadConfig,
 }
 
 
@@ -142,6 +153,8 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -156,15 +169,21 @@ class Config:
 
     # ---- construction ----------------------------------------------------------------
     def with_overrides(self, **overrides: Any) -> "Config":
-        """A copy with fields replaced by name, e.g. `chunk_size=64, pp=2`; validated."""
+        """A copy with fields replaced by name, e.g. `chunk_size=64, pp=2` or
+        `**{"workload.seed": 3}`; validated."""
         by_section: dict[str, dict[str, Any]] = {}
-        owner = {f.name: s for s, cls in SECTIONS.items() for f in fields(cls)}
+        owners: dict[str, list[str]] = {}
+        for s, cls in SECTIONS.items():
+            for f in fields(cls):
+                owners.setdefault(f.name, []).append(s)
         for name, value in overrides.items():
-            if name not in owner:
+            section, _, fname = name.rpartition(".")
+            found = owners.get(fname, [])
+            if not found or (section and section not in found):
                 raise ConfigError(
-                    f"unknown config field {name!r}; known fields: {', '.join(sorted(owner))}"
+                    f"unknown config field {name!r}; known fields: {', '.join(sorted(owners))}"
                 )
-            by_section.setdefault(owner[name], {})[name] = value
+            by_section.setdefault(section or found[0], {})[fname] = value
         cfg = replace(
             self, **{s: replace(getattr(self, s), **kv) for s, kv in by_section.items()}
         )
@@ -203,7 +222,7 @@ def validate(cfg: Config) -> None:
     """Raise ConfigError for any configuration that cannot work."""
     for section in SECTIONS:
         _check_types(section, getattr(cfg, section))
-    m, p, c, pl, rt = cfg.model, cfg.parallel, cfg.cache, cfg.planner, cfg.runtime
+    m, p, c, pl, rt, hw = cfg.model, cfg.parallel, cfg.cache, cfg.planner, cfg.runtime, cfg.hardware
     _check(m.family in FAMILIES, "model.family", f"unknown model family {m.family!r}",
            f"use one of {', '.join(FAMILIES)}")
     _check(m.dtype in DTYPES, "model.dtype", f"unknown dtype {m.dtype!r}",
@@ -226,6 +245,10 @@ def validate(cfg: Config) -> None:
            f"{m.eos_token_id} is outside the vocabulary [0, {m.vocab_size})", "fix or unset it")
     _check(p.tp >= 1, "parallel.tp", f"must be >= 1, got {p.tp}", "use 1 for no tensor parallelism")
     _check(p.pp >= 1, "parallel.pp", f"must be >= 1, got {p.pp}", "use 1 for no pipeline")
+    _check(p.dp >= 1, "parallel.dp", f"must be >= 1, got {p.dp}", "use 1 for one replica")
+    _check(hw.gpus_per_node >= 1, "hardware.gpus_per_node", f"must be >= 1, got {hw.gpus_per_node}",
+           "use e.g. 8 (a DGX node)")
+    cfg.workload.validate()
     _check(m.num_heads % p.tp == 0, "parallel.tp",
            f"num_heads {m.num_heads} is not divisible by tp {p.tp}", "pick tp that divides num_heads")
     _check(m.kv_heads % p.tp == 0, "parallel.tp",
@@ -331,44 +354,3 @@ def load_config(name_or_path: str | Path, **overrides: Any) -> Config:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     cfg = config_from_dict(data, str(path))
     return cfg.with_overrides(**overrides) if overrides else cfg
-
-
-# ---- the paper's batch-size formula (§4.3) -------------------------------------------------
-@dataclass(frozen=True)
-class MemoryPlan:
-    """B = floor((M_G - M_S) / (L * m_kv)), per device of one pipeline stage."""
-
-    device_bytes: float  # M_G: usable memory of one device (capacity * utilization)
-    param_bytes: float  # M_S: parameters held by one device
-    seq_len: int  # L: KV tokens per request
-    kv_bytes_per_token: int  # m_kv: K and V of one token for this device's layers and heads
-    max_requests: int  # B over the whole stage: requests whose KV fits at once
-    batch_per_microbatch: int  # B / pp: with pp micro-batches in flight
-
-    def summary(self) -> str:
-        gib = 2**30
-        return (
-            f"M_G={self.device_bytes / gib:.2f} GiB, M_S={self.param_bytes / gib:.2f} GiB, "
-            f"L={self.seq_len}, m_kv={self.kv_bytes_per_token} B/token -> "
-            f"B={self.max_requests} requests per device, "
-            f"{self.batch_per_microbatch} per micro-batch"
-        )
-
-
-def memory_plan(cfg: Config, device_memory_gb: float | None = None) -> MemoryPlan:
-    """The paper's maximum batch size for this model and parallel layout.
-
-    A device of stage s holds 1/tp of the parameters of 1/pp of the layers and the K/V of
-    its layers and heads; with pp micro-batches in flight each micro-batch gets 1/pp of the
-    slots (paper §4.3; GPT-3 on A100-80GB gives 27 for TP8xPP8 and 11 for TP8).
-    """
-    m, p = cfg.model, cfg.parallel
-    gb = device_memory_gb if device_memory_gb is not None else cfg.cache.device_memory_gb
-    if gb is None:
-        raise ConfigError("cache.device_memory_gb: not set; give the memory of one device in GB")
-    usable = gb * 1e9 * cfg.cache.memory_utilization
-    params = m.num_params() * m.dtype_bytes / (p.tp * p.pp)
-    layers = math.ceil(m.num_layers / p.pp)
-    kv_token = 2 * layers * (m.kv_heads // p.tp) * m.head_dim * m.dtype_bytes
-    total = max(0, math.floor((usable - params) / (cfg.seq_len * kv_token)))
-    return MemoryPlan(usable, params, cfg.seq_len, kv_token, total, total // p.pp)

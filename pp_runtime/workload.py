@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pp_runtime.config import ConfigError
+from pp_runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from pp_runtime.config import (Config, ConfigError, ModelConfig, config_from_dict, load_config,
-                               load_model_config, memory_plan)
+                               load_model_config)
+from pp_runtime.memory import memory_plan
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -111,3 +112,12 @@ def test_model_config_defaults_follow_the_family():
     gpt, llama = ModelConfig(family="gpt"), ModelConfig(family="llama")
     assert (gpt.act, gpt.use_bias, gpt.tied) == ("gelu_new", True, True)
     assert (llama.act, llama.use_bias, llama.tied) == ("silu", False, False)
+
+
+def test_dotted_overrides_reach_sections_sharing_a_field_name():
+    cfg = Config().with_overrides(**{"workload.seed": 7, "seed": 3, "hardware.gpu": "h100", "dp": 2})
+    assert (cfg.workload.seed, cfg.runtime.seed, cfg.hardware.gpu, cfg.parallel.dp) == (7, 3, "h100", 2)
+    with pytest.raises(ConfigError, match="unknown config field 'planner.seed'"):
+        Config().with_overrides(**{"planner.seed": 1})
+    with pytest.raises(ConfigError, match="workload.num_requests"):
+        Config().with_overrides(num_requests=0)

@@ -1,0 +1,9 @@
+"""The errors a user can cause, in a module with no imports so every layer can raise them."""
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work. The message names the field and the fix."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config or cannot be read."""
