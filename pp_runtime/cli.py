@@ -3,6 +3,10 @@
   pp-runtime run      generate on a model (built-in default: GPT-2-small shapes, random
                       weights) and print one line per micro-batch
   pp-runtime memory   the paper's batch-size formula for a config and device memory
+  pp-runtime simulate run a workload on the profile-driven pipeline simulator, write reports
+  pp-runtime compare  run several planners / deployments on one workload, print ratios
+  pp-runtime report   re-print and re-plot a finished run directory
+  pp-runtime profile  measure this machine's operation times into a profile the simulator loads
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import argparse
 import random
 import sys
 import time
+from pathlib import Path
 
 import yaml
 
@@ -104,6 +109,92 @@ def cmd_memory(args) -> int:
     return 0
 
 
+def _sim_config(config: str | None, args, planner: str | None = None) -> Config:
+    overrides = _parse_overrides(args.set)
+    if planner or getattr(args, "planner", None):
+        overrides["planner"] = planner or args.planner
+    if args.requests is not None:
+        overrides["workload.num_requests"] = args.requests
+    if args.seed is not None:
+        overrides["workload.seed"] = args.seed
+    return load_config(config, **overrides) if config else Config().with_overrides(**overrides)
+
+
+def _simulate_to(cfg: Config, out: Path, progress: bool = True) -> dict:
+    from pp_runtime.simulate import simulate
+    from pp_runtime.telemetry.report import write_report
+
+    return write_report(simulate(cfg, progress=progress), out)
+
+
+def cmd_simulate(args) -> int:
+    from pp_runtime.telemetry.report import format_summary
+
+    cfg = _sim_config(args.config, args)
+    out = Path(args.out or f"runs/simulate-{cfg.model.name}-{cfg.planner.planner}")
+    report = _simulate_to(cfg, out, not args.quiet)
+    print(format_summary(report))
+    print(f"  simulated in {report['summary']['run_wall_s']:.1f} s; reports and plots in {out}/")
+    return 0
+
+
+def _run_specs(args) -> list[tuple[str, str | None]]:
+    """(config, planner) pairs: CONFIG@PLANNER pins a planner, else every --planners entry
+    (default: the config's own planner)."""
+    planners = [p for p in (args.planners or "").split(",") if p] or [None]
+    specs = []
+    for config in args.config:
+        name, _, pinned = config.partition("@")
+        specs += [(name, pinned)] if pinned else [(name, p) for p in planners]
+    return specs
+
+
+def cmd_compare(args) -> int:
+    from pp_runtime.telemetry.compare import compare_runs
+
+    if not args.simulate:
+        raise ConfigError("compare: the real-runtime comparison runs on the distributed (ray) "
+                          "executor, which this version does not have yet; add --simulate")
+    out = Path(args.out or "runs/compare")
+    runs = []
+    for config, planner in _run_specs(args):
+        cfg = _sim_config(config, args, planner)
+        label = f"{Path(config).stem}-{cfg.planner.planner}"
+        print(f"== {label}: {cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
+              f"dp={cfg.parallel.dp}, B={cfg.planner.max_batch_size}, "
+              f"{cfg.workload.num_requests} requests", flush=True)
+        _simulate_to(cfg, out / label, not args.quiet)
+        runs.append(out / label)
+    print(compare_runs(runs, out))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from pp_runtime.telemetry.plots import plot_run
+    from pp_runtime.telemetry.report import format_summary, read_report
+
+    try:
+        report = read_report(args.dir)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from exc
+    print(format_summary(report))
+    for path in plot_run(args.dir):
+        print(f"  wrote {path}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from pp_runtime.costmodel.measure import measure_profile
+
+    cfg = _config(args)
+    out = Path(args.out or f"runs/profile-{cfg.model.name}")
+    t0 = time.perf_counter()
+    path = measure_profile(cfg, out, quick=args.quick, progress=not args.quiet)
+    print(f"profile of {cfg.model.name} (tp={cfg.parallel.tp}) written to {path}/ in "
+          f"{time.perf_counter() - t0:.0f} s; simulate with it: --set hardware.profile={path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pp-runtime", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,6 +223,39 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--device-memory-gb", type=float, default=None,
                      help="memory of one device (default: cache.device_memory_gb of the config)")
     mem.set_defaults(func=cmd_memory)
+
+    def workload(sp):
+        sp.add_argument("--requests", type=int, help="workload.num_requests")
+        sp.add_argument("--seed", type=int, help="workload.seed")
+        sp.add_argument("--out", help="output directory (default: under runs/)")
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sim = sub.add_parser("simulate", help="run a workload on the pipeline simulator")
+    common(sim)
+    sim.add_argument("--planner", help="planner.planner (sarathi, uniform, orca-best, ...)")
+    workload(sim)
+    sim.set_defaults(func=cmd_simulate)
+
+    cmp = sub.add_parser("compare", help="several planners / deployments on one workload")
+    cmp.add_argument("--config", action="append", required=True, metavar="FILE[@PLANNER]",
+                     help="a deployment (repeatable); @PLANNER runs it with that planner only")
+    cmp.add_argument("--planners", help="comma-separated planners for configs without @")
+    cmp.add_argument("--simulate", action="store_true", help="on the simulator")
+    cmp.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                     help="override a field of every config (repeatable)")
+    workload(cmp)
+    cmp.set_defaults(func=cmd_compare)
+
+    rep = sub.add_parser("report", help="re-print and re-plot a finished run")
+    rep.add_argument("dir", help="a directory written by simulate / run / compare")
+    rep.set_defaults(func=cmd_report)
+
+    prof = sub.add_parser("profile", help="measure operation times on this machine")
+    common(prof)
+    prof.add_argument("--out", help="profile directory (default: runs/profile-MODEL)")
+    prof.add_argument("--quick", action="store_true", help="fewer points (about a minute)")
+    prof.add_argument("--quiet", action="store_true", help="no progress bar")
+    prof.set_defaults(func=cmd_profile)
     return p
 
 

@@ -27,6 +27,6 @@ def test_bad_override_is_a_clear_error():
 
 
 def test_memory_reports_the_papers_batch_size():
-    r = cli("memory", "--config", "paper/gpt3_tp8_pp8_memory")
+    r = cli("memory", "--config", "paper/gpt3_tp8_pp8")
     assert r.returncode == 0, r.stderr
     assert "27 per micro-batch" in r.stdout

@@ -85,7 +85,7 @@ def test_every_shipped_config_loads():
 def test_memory_formula_reproduces_the_papers_batch_sizes():
     """B = floor((M_G - M_S) / (L * m_kv)): GPT-3 on A100-80GB gives 27 per micro-batch for
     TP8 x PP8 and 11 for TP8 alone (paper §5.3), with 90% of memory usable and L = 4096."""
-    cfg = load_config("paper/gpt3_tp8_pp8_memory")
+    cfg = load_config("paper/gpt3_tp8_pp8")
     plan = memory_plan(cfg)
     assert plan.kv_bytes_per_token == 2 * 12 * 12 * 128 * 2  # K+V, 12 layers, 12 heads/rank, fp16
     assert plan.batch_per_microbatch == 27

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pp_runtime.config import Config
 from pp_runtime.planner.base import BasePlanner
+from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.orca import OrcaBestPlanner, OrcaWorstPlanner
 from pp_runtime.planner.request_level import RequestLevelPlanner
 from pp_runtime.planner.sarathi import SarathiPlanner
@@ -25,5 +26,7 @@ PLANNERS: dict[str, type[BasePlanner]] = {
 }
 
 
-def make_planner(cfg: Config) -> BasePlanner:
-    return PLANNERS[cfg.planner.planner](cfg)
+def make_planner(cfg: Config, cost_model: CostModel | None = None) -> BasePlanner:
+    """The planner `cfg.planner.planner`; cost-aware ones (uniform) price micro-batches with
+    `cost_model` (default: the analytic roofline)."""
+    return PLANNERS[cfg.planner.planner](cfg, cost_model)

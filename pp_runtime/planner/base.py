@@ -15,13 +15,14 @@ from collections import deque
 
 from pp_runtime.batch import MicroBatch, SampledTokens, SeqChunk
 from pp_runtime.config import Config
+from pp_runtime.planner.cost import CostModel
 from pp_runtime.request import FinishReason, Request
 
 
 class BasePlanner:
     name = "base"
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, cost_model: CostModel | None = None):
         pl = cfg.planner
         self.cfg = cfg
         self.chunk_size, self.max_batch, self.tile_align = pl.chunk_size, pl.max_batch_size, pl.tile_align

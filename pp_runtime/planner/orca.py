@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pp_runtime.batch import SeqChunk
 from pp_runtime.config import Config
+from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.base import BasePlanner
 from pp_runtime.planner.sarathi import SarathiPlanner
 
@@ -20,8 +21,8 @@ class OrcaBestPlanner(SarathiPlanner):
 
     name = "orca-best"
 
-    def __init__(self, cfg: Config):
-        BasePlanner.__init__(self, cfg)  # no tile warning: chunks are whole prompts
+    def __init__(self, cfg: Config, cost_model: CostModel | None = None):
+        BasePlanner.__init__(self, cfg, cost_model)  # no tile warning: chunks are whole prompts
 
     def chunk_budget(self, decodes: list[SeqChunk], start: int) -> int:
         return self.cfg.seq_len

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pp_runtime.batch import SeqChunk
 from pp_runtime.config import Config
+from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.base import BasePlanner
 from pp_runtime.request import FinishReason, Request
 
@@ -17,8 +18,8 @@ from pp_runtime.request import FinishReason, Request
 class RequestLevelPlanner(BasePlanner):
     name = "request-level"
 
-    def __init__(self, cfg: Config):
-        super().__init__(cfg)
+    def __init__(self, cfg: Config, cost_model: CostModel | None = None):
+        super().__init__(cfg, cost_model)
         self.groups: list[list[Request]] = []  # active groups, oldest first
 
     def admit(self, now: float) -> None:

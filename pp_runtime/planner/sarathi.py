@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from pp_runtime.batch import SeqChunk
 from pp_runtime.config import Config
+from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.base import BasePlanner, warn_untiled
 
 
 class SarathiPlanner(BasePlanner):
     name = "sarathi"
 
-    def __init__(self, cfg: Config):
-        super().__init__(cfg)
+    def __init__(self, cfg: Config, cost_model: CostModel | None = None):
+        super().__init__(cfg, cost_model)
         warn_untiled(cfg)
 
     def chunk_budget(self, decodes: list[SeqChunk], start: int) -> int:

@@ -22,7 +22,7 @@ class UniformPlanner(SarathiPlanner):
     name = "uniform"
 
     def __init__(self, cfg: Config, cost_model: CostModel | None = None):
-        super().__init__(cfg)
+        super().__init__(cfg, cost_model)
         self.cost = cost_model or AnalyticCost.from_config(cfg)
         if cfg.planner.target_ms is not None:
             self.target_s = cfg.planner.target_ms / 1e3

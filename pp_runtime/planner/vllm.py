@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from pp_runtime.batch import SeqChunk
 from pp_runtime.config import Config
+from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.base import BasePlanner
 
 
 class VllmPlanner(BasePlanner):
     name = "vllm"
 
-    def __init__(self, cfg: Config):
-        super().__init__(cfg)
+    def __init__(self, cfg: Config, cost_model: CostModel | None = None):
+        super().__init__(cfg, cost_model)
         self.token_budget = cfg.planner.token_budget or cfg.seq_len
 
     def compose(self, now: float) -> list[SeqChunk]:
