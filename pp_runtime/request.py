@@ -59,6 +59,9 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
 
+    def __post_init__(self) -> None:
+        self._sampling = Sampling(self.params.temperature, self.params.top_p, self.seed)
+
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
@@ -66,7 +69,7 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         """Prompt tokens remain to be scheduled."""
-        return self.num_scheduled < self.prompt_len
+        return self.num_scheduled < len(self.prompt_token_ids)
 
     @property
     def in_flight(self) -> bool:
@@ -79,7 +82,7 @@ class Request:
 
     def sampling(self) -> Sampling:
         """How the last stage picks this request's next token."""
-        return Sampling(self.params.temperature, self.params.top_p, self.seed)
+        return self._sampling
 
     def token_at(self, position: int) -> int:
         """Token id at a sequence position (prompt, then generated tokens)."""

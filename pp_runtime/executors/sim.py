@@ -54,13 +54,13 @@ class SimExecutor:
         prefills, decodes, sampled = [], [], {}
         for s in mb.seqs:
             if s.is_decode:
-                decodes.append(s.kv_len)
+                decodes.append(s.start + 1)  # its KV length
             else:
-                prefills.append((s.start, s.num_tokens))
+                prefills.append((s.start, len(s.token_ids)))
             if s.sampling is not None:
                 sampled[s.request_id] = 0
         now, free, timings = self.clock.now, self.free, []
-        end = 0.0
+        num_tokens, end = sum(n for _, n in prefills) + len(decodes), 0.0
         for stage, compute in enumerate(self.cost.stage_times(prefills, decodes)):
             take = free[stage] if free[stage] > now else now
             if stage == 0:
@@ -68,7 +68,7 @@ class SimExecutor:
                 start = take
             else:
                 wait = end - take if end > take else 0.0
-                transfer = self.cost.send_time(mb.num_tokens, stage)
+                transfer = self.cost.send_time(num_tokens, stage)
                 start = (end if end > take else take) + transfer
             end = start + compute
             free[stage] = end

@@ -56,7 +56,7 @@ class BasePlanner:
     # ---- building blocks for policies --------------------------------------------------
     def idle(self) -> list[Request]:
         """Admitted requests not in flight, in admission order."""
-        return [r for r in self.running if not r.in_flight]
+        return [r for r in self.running if r.num_scheduled == r.num_computed]  # not in flight
 
     @staticmethod
     def decode(req: Request) -> SeqChunk:
