@@ -1,0 +1,169 @@
+"""The cost of one pipeline stage for one micro-batch.
+
+A stage runs its layers over all tokens of the micro-batch at once (the prefill chunks'
+tokens plus one per decode: SARATHI's fused linear layers), so per layer
+
+    linear(T) + other(T) + 2 all-reduces(T)      T = tokens, from per-T tables
+  + sum over chunks of prefill_attention(start, n)
+  + decode_attention(count, sum of KV lengths)
+
+times the stage's layers; the first stage adds the embedding, the last the final norm and
+LM head over the rows that sample (every decode and, for simplicity, every prefill chunk).
+The simulator calls `stage_times` for every micro-batch, so everything that depends on T
+alone is a Python list indexed by T (grown on demand); the rest are closed forms.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from pp_runtime.config import Config
+from pp_runtime.costmodel.devices import device_spec
+from pp_runtime.costmodel.network import all_reduce, gather, send
+from pp_runtime.costmodel.pricing import (Priced, Pricing, Target, attention, layer_ops,
+                                          linear_sources, load_profile, price_op)
+from pp_runtime.costmodel.roofline import LayerShape, op_time
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """Layers [lo, hi) of a stage (as pp_runtime.model.transformer.stage_layers, which
+    imports torch): as even as possible, earlier stages take the remainder."""
+    base, extra = divmod(num_layers, pp)
+    lo = stage * base + min(stage, extra)
+    return lo, lo + base + (1 if stage < extra else 0)
+
+
+def build_pricing(cfg: Config) -> Pricing:
+    """Every operation of this config priced by its best source (pricing.py)."""
+    hw = cfg.hardware
+    dev = device_spec(hw.gpu)
+    profile = load_profile(hw.profile, dev) if hw.profile else None
+    t = Target(LayerShape.of(cfg.model, cfg.parallel.tp), profile.device if profile else dev,
+               profile, hw.gpus_per_node)
+    sources = linear_sources(t)
+    layer = layer_ops(t, sources)
+    ar = all_reduce(t)
+    if ar is not None:
+        layer["tp_all_reduce"] = Priced(lambda n: 2 * ar[0](n), f"2 per layer x {ar[0].source}")
+    norm = price_op("input_layernorm", t, sources)
+    head = Priced(lambda r: norm(r) + op_time("lm_head", t.shape, r, t.device),
+                  f"final norm: {norm.source}; LM head matmul: roofline {t.device.name}")
+    return Pricing(layer, price_op("emb", t, sources), head, attention(t), send(t, True),
+                   send(t, False), gather(t, ar))
+
+
+def build_cost_model(cfg: Config) -> "StageCostModel":
+    return StageCostModel(cfg, build_pricing(cfg))
+
+
+def table(p: Priced | None, size: int) -> np.ndarray:
+    """p at 0 .. size-1: zero at 0 (an empty micro-batch costs nothing) and non-decreasing
+    (a running maximum irons out the small wiggles of a roofline ratio between tiles)."""
+    if p is None:
+        return np.zeros(size)
+    values = np.broadcast_to(np.asarray(p(np.arange(size)), dtype=float), (size,)).copy()
+    values[0] = 0.0
+    return np.maximum.accumulate(values)
+
+
+class StageCostModel:
+    """Seconds of compute per stage for a micro-batch; seconds to send it between stages."""
+
+    def __init__(self, cfg: Config, pricing: Pricing):
+        pp, tp = cfg.parallel.pp, cfg.parallel.tp
+        self.pricing = pricing
+        self.layers = [hi - lo for lo, hi in (stage_layers(cfg.model.num_layers, pp, s)
+                                              for s in range(pp))]  # layers per stage
+        self.deepest = self.layers.index(max(self.layers))  # stage that breakdown() reports
+        # stage s holds GPUs [s*tp, (s+1)*tp); a send crosses nodes when first GPUs differ
+        self.node = [s * tp // cfg.hardware.gpus_per_node for s in range(pp)]
+        self._prefill = pricing.attention.prefill  # (start, n) -> s per layer
+        self._decode = pricing.attention.decode  # (count, sum_kv) -> s per layer
+        self._size = 0
+        longest = max(cfg.seq_len, cfg.planner.chunk_size, cfg.planner.token_budget or 0)
+        self._grow(longest + cfg.planner.max_batch_size + 1)
+
+    def _grow(self, size: int) -> None:
+        """Per-token-count tables (Python lists: no numpy scalars on the hot path)."""
+        p = self.pricing
+        ops = {name: table(op, size) for name, op in p.layer.items()}
+        self._ops = {name: values.tolist() for name, values in ops.items()}  # s per layer
+        self._layer = sum(ops.values(), np.zeros(size)).tolist()  # all of them, one layer
+        self._emb = table(p.embedding, size).tolist()
+        self._head = table(p.lm_head, size).tolist()  # by sampling rows
+        self._send = {True: table(p.send_inter, size).tolist(),
+                      False: table(p.send_intra, size).tolist()}
+        self._gather = table(p.gather, size).tolist()
+        self._size = size
+
+    # ---- the hot path -----------------------------------------------------------------
+    def stage_times(self, prefills: Sequence[tuple[int, int]],
+                    decode_kv_lens: Sequence[int]) -> list[float]:
+        """Seconds of compute on each stage. prefills: (start, n) chunks; decode_kv_lens:
+        the KV length each decode attends to (itself included)."""
+        tokens = nd = len(decode_kv_lens)
+        attn = self._decode(nd, sum(decode_kv_lens)) if nd else 0.0
+        for start, n in prefills:
+            tokens += n
+            attn += self._prefill(start, n)
+        if tokens >= self._size:
+            self._grow(2 * tokens)
+        per_layer = self._layer[tokens] + attn
+        times = [k * per_layer for k in self.layers]
+        times[0] += self._emb[tokens]
+        times[-1] += self._head[nd + len(prefills)]
+        return times
+
+    def microbatch_time(self, prefills: Sequence[tuple[int, int]],
+                        decode_kv_lens: Sequence[int]) -> float:
+        """The slowest stage: the CostModel protocol of pp_runtime/planner/cost.py."""
+        return max(self.stage_times(prefills, decode_kv_lens))
+
+    def send_time(self, num_tokens: int, stage: int) -> float:
+        """Seconds to move a micro-batch of num_tokens from stage - 1 to stage: each TP rank
+        sends its 1/tp slice (over InfiniBand when the stages sit on different nodes, else
+        NVLink), then the receiving ranks all-gather the slices."""
+        if not 1 <= stage < len(self.layers):
+            raise ValueError(f"stage {stage} has no previous stage (pp = {len(self.layers)})")
+        if num_tokens >= self._size:
+            self._grow(2 * num_tokens)
+        cross = self.node[stage - 1] != self.node[stage]
+        return self._send[cross][num_tokens] + self._gather[num_tokens]
+
+    def crosses_nodes(self, stage: int) -> bool:
+        """Whether the send into `stage` goes between nodes."""
+        return self.node[stage - 1] != self.node[stage]
+
+    # ---- reports ----------------------------------------------------------------------
+    def breakdown(self, prefills: Sequence[tuple[int, int]],
+                  decode_kv_lens: Sequence[int]) -> dict[str, float]:
+        """Seconds per operation on the stage with the most layers (the first such: stage 0,
+        which also runs the embedding; with pp = 1 the LM head too). Sums to its stage time."""
+        s, k = self.deepest, self.layers[self.deepest]
+        tokens = sum(n for _, n in prefills) + len(decode_kv_lens)
+        rows = len(decode_kv_lens) + len(prefills)
+        if tokens >= self._size:
+            self._grow(2 * tokens)
+        out = {name: k * values[tokens] for name, values in self._ops.items()}
+        out["attn_prefill"] = k * sum(self._prefill(st, n) for st, n in prefills)
+        out["attn_decode"] = k * (self._decode(len(decode_kv_lens), sum(decode_kv_lens))
+                                  if decode_kv_lens else 0.0)
+        if s == 0:
+            out["embedding"] = self._emb[tokens]
+        if s == len(self.layers) - 1:
+            out["lm_head"] = self._head[rows]
+        return out
+
+    def sources(self) -> dict[str, str]:
+        """Operation -> which source priced it."""
+        p = self.pricing
+        out = {name: op.source for name, op in p.layer.items()}
+        out["attn_prefill"] = out["attn_decode"] = p.attention.source
+        out["embedding"] = p.embedding.source
+        out["lm_head"] = p.lm_head.source
+        out["send_inter_node"] = p.send_inter.source
+        out["send_intra_node"] = p.send_intra.source
+        if p.gather is not None:
+            out["send_all_gather"] = p.gather.source
+        return out
