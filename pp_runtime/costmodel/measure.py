@@ -1,0 +1,481 @@
+"""Measure a profile of the local device: what `pp-runtime profile` writes.
+
+Times the operations the cost model prices, on this device (CPU, or a GPU when there is
+one), for one TP rank's shapes (heads / tp, ffn / tp), in the format of the Vidur project's
+tables (milliseconds, `time_stats.OP.median`), so one loader reads both:
+
+  mlp.csv        the linear and small ops of one decoder layer by num_tokens, timed on the
+                 runtime's own modules (`StageModel`, `DecoderLayer`)
+  attention.csv  `prefill_attention` of a chunk of C tokens after K cached ones; the
+                 runtime's decode path (batched on GPU, per-decode views on CPU) for b
+                 decodes with K cached tokens each, so they attend to K + 1 keys.
+                 kv_cache_size = K = tokens cached before the step, as in Vidur.
+  send_recv.csv  one TP rank's activations [num_tokens, hidden / tp] between two spawned
+                 processes (ping-pong, half the round trip)
+  device.json    device, name, dtype, threads, torch, model, tp, time of measurement
+
+Each point: warm-up, then as many timed calls as fit a small budget (within bounds); the
+median is written. The caller's thread count is used as it is.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import queue
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tqdm import tqdm
+
+from pp_runtime.batch import MicroBatch, SeqChunk
+from pp_runtime.config import Config
+from pp_runtime.device import dist_backend, now, resolve_device, torch_dtype
+from pp_runtime.errors import ConfigError
+from pp_runtime.model.attention import (BatchLayout, decode_attention, decode_attention_views,
+                                        prefill_attention, rope)
+from pp_runtime.model.kv_cache import KVCache
+from pp_runtime.model.transformer import DecoderLayer, StageModel
+
+MLP_OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
+           "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+MLP_COLUMNS = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size",
+               "use_gated_mlp", "num_tokens", "num_tensor_parallel_workers",
+               *(f"time_stats.{op}.median" for op in MLP_OPS))
+ATTENTION_COLUMNS = ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers",
+                     "batch_size", "prefill_chunk_size", "kv_cache_size", "is_prefill",
+                     "time_stats.attn_prefill.median", "time_stats.attn_decode.median")
+SEND_RECV_COLUMNS = ("n_embd", "num_tokens", "num_tensor_parallel_workers",
+                     "time_stats.send_recv.median")
+
+# grids (full, quick); each is capped by the config's sequence length and batch size
+TOKENS = ((1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096),
+          (1, 8, 64, 256, 1024, 4096))  # rows of one micro-batch
+CHUNKS = ((16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096),
+          (32, 128, 512, 2048))  # prefill chunk C
+CACHED = ((0, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072),
+          (0, 128, 512, 2048))  # K cached before a chunk
+DECODE_BATCH = ((1, 2, 4, 8, 16, 32, 64, 128, 256), (1, 4, 16, 64))  # decodes b
+DECODE_CACHED = ((32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096),
+                 (64, 512, 2048))  # K before a decode; it attends to K + 1 keys
+P2P_START_S = 120.0  # the two send/recv processes must start and report within this
+P2P_JOIN_S = 20.0  # then they must exit within this, or they are terminated
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How long to time each point: warm-up calls, then repeats that fit `budget_s`."""
+
+    warmup: int  # untimed calls first (allocator, caches, kernel selection)
+    min_repeats: int  # timed calls, at least
+    max_repeats: int  # timed calls, at most
+    budget_s: float  # seconds of timed calls aimed for per point, within those bounds
+
+
+QUICK = Effort(warmup=1, min_repeats=3, max_repeats=10, budget_s=0.05)
+FULL = Effort(warmup=2, min_repeats=5, max_repeats=30, budget_s=0.3)
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """Every point a profile measures: one row of its table each."""
+
+    num_tokens: tuple[int, ...]  # mlp.csv rows
+    prefills: tuple[tuple[int, int], ...]  # attention.csv prefill rows: (chunk C, cached K)
+    decodes: tuple[tuple[int, int], ...]  # attention.csv decode rows: (batch b, cached K)
+    send_tokens: tuple[int, ...]  # send_recv.csv rows
+
+    @property
+    def size(self) -> int:
+        return len(self.num_tokens) + len(self.prefills) + len(self.decodes) + len(self.send_tokens)
+
+
+def _upto(grid: tuple[int, ...], cap: int, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The grid points <= cap, plus cap itself (so nothing needs extrapolating) and extras."""
+    return tuple(sorted({n for n in (*grid, *extra) if n <= cap} | {cap}))
+
+
+def profile_grid(cfg: Config, quick: bool = False) -> ProfileGrid:
+    """The points `measure_profile(cfg, quick=quick)` measures."""
+    i, L, B = int(quick), cfg.seq_len, cfg.planner.max_batch_size
+    tokens = _upto(TOKENS[i], L + B)  # the largest micro-batch: a whole prompt + decodes
+    # fractions of L keep a short sequence length at several chunks and cache sizes
+    chunks = _upto(CHUNKS[i], L, (cfg.planner.chunk_size, L // 8, L // 4, L // 2))
+    cached = sorted({*CACHED[i], L // 4, L // 2})
+    prefills = tuple((c, k) for c in chunks if c >= 1 for k in cached if c + k <= L)
+    decode_k = [k for k in _upto(DECODE_CACHED[i], L - 1, (L // 2,)) if k >= 1]
+    decodes = tuple((b, k) for b in _upto(DECODE_BATCH[i], B) for k in decode_k)
+    return ProfileGrid(tokens, prefills, decodes, tokens)
+
+
+def _rank_model(cfg: Config, device: torch.device) -> StageModel:
+    """One TP rank's shard of a one-layer first stage (embedding + layer 0), as the worker
+    builds it; on the meta device it only has shapes."""
+    with torch.device(device):
+        return StageModel(cfg.model, 0, 1, cfg.parallel.tp)
+
+
+def op_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Weight shapes [out, in] of the matmuls timed for mlp.csv: one TP rank's shard."""
+    model = _rank_model(cfg, torch.device("meta"))
+    layer: DecoderLayer = model.layers[0]
+    return {"emb": tuple(model.embed.weight.shape),
+            "attn_pre_proj": tuple(layer.qkv.weight.shape),
+            "attn_post_proj": tuple(layer.out.weight.shape),
+            "mlp_up_proj": tuple(layer.fc1.weight.shape),
+            "mlp_down_proj": tuple(layer.fc2.weight.shape)}
+
+
+# ---- timing -------------------------------------------------------------------------------
+def _timed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call, until the device has finished it (CUDA events on GPU)."""
+    if device.type != "cuda":
+        t0 = now(device)
+        fn()
+        return (now(device) - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, effort: Effort) -> float:
+    """Median milliseconds of `fn` after warm-up; the first call also sizes the repeats."""
+    first = _timed_ms(fn, device)
+    for _ in range(effort.warmup - 1):
+        fn()
+    fits = int(effort.budget_s * 1e3 / max(first, 1e-3))
+    repeats = min(effort.max_repeats, max(effort.min_repeats, fits))
+    return statistics.median(_timed_ms(fn, device) for _ in range(repeats))
+
+
+# ---- mlp.csv ------------------------------------------------------------------------------
+def _flat_batch(num_tokens: int, seq_len: int) -> MicroBatch:
+    """num_tokens prompt tokens from position 0, cut into sequences of at most seq_len."""
+    sizes = [min(seq_len, num_tokens - row) for row in range(0, num_tokens, seq_len)]
+    return MicroBatch(0, tuple(SeqChunk(i, i, 0, tuple(range(n)), None)
+                               for i, n in enumerate(sizes)))
+
+
+def _mlp_act(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+    """The activation step of `DecoderLayer.forward` (inline there, so repeated here)."""
+    if layer.family == "llama":
+        gate, up = h.chunk(2, dim=-1)  # [T, ffn / tp] each
+        return layer.act(gate) * up
+    return layer.act(h)
+
+
+def _layer_ops(model: StageModel, n: int, seq_len: int) -> dict[str, Callable | None]:
+    """One call per MLP_OPS entry on inputs of n tokens made beforehand (None: not run)."""
+    layer: DecoderLayer = model.layers[0]
+    w = layer.qkv.weight
+    q_dim, kv_dim = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
+    layout = BatchLayout.build(_flat_batch(n, seq_len), w.device)
+    ids = torch.randint(model.cfg.vocab_size, (n,), device=w.device)  # [n]
+    x = torch.randn(n, w.shape[1], dtype=w.dtype, device=w.device)  # [n, hidden]
+    y = torch.randn_like(x)  # [n, hidden]
+    qkv = layer.qkv(x)  # [n, q_dim + 2 * kv_dim]
+    q = qkv[:, :q_dim].view(-1, layer.heads, layer.head_dim)  # [n, heads / tp, head_dim]
+    k = qkv[:, q_dim:q_dim + kv_dim].view(-1, layer.kv_heads, layer.head_dim)
+    attn = torch.randn(n, q_dim, dtype=w.dtype, device=w.device)  # [n, heads / tp * head_dim]
+    up = layer.fc1(x)  # [n, ffn / tp] or [n, 2 * ffn / tp] (gate, up)
+    act = _mlp_act(layer, up)  # [n, ffn / tp]
+    rope_op = None
+    if layer.family == "llama":  # tables are built once per micro-batch, not per layer
+        cos, sin = layout.rope_tables(layer.rope_theta, layer.head_dim, q.dtype)
+        rope_op = lambda: (rope(q, cos, sin), rope(k, cos, sin))  # noqa: E731
+    return {"emb": lambda: model.embed_tokens(ids, layout),
+            "input_layernorm": lambda: layer.attn_norm(x),
+            "attn_pre_proj": lambda: layer.qkv(x),
+            "attn_rope": rope_op,
+            "attn_post_proj": lambda: layer.out(attn),
+            "post_attention_layernorm": lambda: layer.mlp_norm(x),
+            "mlp_up_proj": lambda: layer.fc1(x),
+            "mlp_act": lambda: _mlp_act(layer, up),
+            "mlp_down_proj": lambda: layer.fc2(act),
+            "add": lambda: x + y}
+
+
+def measure_mlp(cfg: Config, model: StageModel, grid: ProfileGrid, effort: Effort,
+                bar: tqdm) -> list[dict]:
+    m, device, rows = cfg.model, model.layers[0].qkv.weight.device, []
+    shape = {"n_head": m.num_heads, "n_kv_head": m.kv_heads, "n_embd": m.hidden_size,
+             "n_expanded_embd": m.ffn, "vocab_size": m.vocab_size,
+             "use_gated_mlp": m.family == "llama"}  # the full model's sizes, as in Vidur
+    for n in grid.num_tokens:
+        ops = _layer_ops(model, n, cfg.seq_len)
+        times = {op: 0.0 if fn is None else median_ms(fn, device, effort) for op, fn in ops.items()}
+        rows.append({**shape, "num_tokens": n, "num_tensor_parallel_workers": cfg.parallel.tp,
+                     **{f"time_stats.{op}.median": t for op, t in times.items()}})
+        bar.update()
+    return rows
+
+
+# ---- attention.csv ------------------------------------------------------------------------
+def _prefill_op(layer: DecoderLayer, cache: KVCache, chunk: int, cached: int) -> Callable:
+    """`prefill_attention` of `chunk` new tokens after `cached` ones, in slot 0."""
+    w = layer.qkv.weight
+    mb = MicroBatch(0, (SeqChunk(0, 0, cached, tuple(range(chunk)), None),))
+    span = BatchLayout.build(mb, w.device).prefills[0]
+    q = torch.randn(chunk, layer.heads, layer.head_dim, dtype=w.dtype,
+                    device=w.device)  # [C, heads / tp, head_dim]
+    return lambda: prefill_attention(q, *cache.layer(0), span)
+
+
+def _decode_op(layer: DecoderLayer, cache: KVCache, batch: int, cached: int) -> Callable:
+    """The runtime's decode path, picked as `hybrid_attention` does, for `batch` decodes
+    with `cached` tokens already in the cache each."""
+    w = layer.qkv.weight
+    mb = MicroBatch(0, tuple(SeqChunk(i, i, cached, (0,), None, is_decode=True)
+                             for i in range(batch)))
+    lay = BatchLayout.build(mb, w.device)
+    q = torch.randn(batch, layer.heads, layer.head_dim, dtype=w.dtype,
+                    device=w.device)  # [b, heads / tp, head_dim]
+    kc, vc = cache.layer(0)
+    if lay.decode_mask is not None:  # GPU: one padded call
+        return lambda: decode_attention(q, kc, vc, lay.decode_slots, lay.decode_mask)
+    return lambda: decode_attention_views(q, kc, vc, lay.decode_slot_list, lay.decode_lens)
+
+
+def _filled_cache(layer: DecoderLayer, slots: int, seq_len: int) -> KVCache:
+    w = layer.qkv.weight
+    cache = KVCache(1, slots, seq_len, layer.kv_heads, layer.head_dim, w.dtype, w.device)
+    for t in (*cache.k, *cache.v):  # [slots, seq_len, kv_heads / tp, head_dim]
+        t.normal_()
+    return cache
+
+
+def measure_attention(cfg: Config, layer: DecoderLayer, grid: ProfileGrid, effort: Effort,
+                      bar: tqdm) -> list[dict]:
+    m, device, rows = cfg.model, layer.qkv.weight.device, []
+    for is_prefill, points in ((True, grid.prefills), (False, grid.decodes)):
+        slots = 1 if is_prefill else max((b for b, _ in points), default=1)
+        cache = _filled_cache(layer, slots, cfg.seq_len)
+        for a, cached in points:  # a: the chunk (prefill) or the number of decodes
+            op = (_prefill_op if is_prefill else _decode_op)(layer, cache, a, cached)
+            ms = median_ms(op, device, effort)
+            rows.append({"n_embd": m.hidden_size, "n_q_head": m.num_heads,
+                         "n_kv_head": m.kv_heads, "num_tensor_parallel_workers": cfg.parallel.tp,
+                         "batch_size": 1 if is_prefill else a,
+                         "prefill_chunk_size": a if is_prefill else 0, "kv_cache_size": cached,
+                         "is_prefill": is_prefill,
+                         "time_stats.attn_prefill.median": ms if is_prefill else None,
+                         "time_stats.attn_decode.median": None if is_prefill else ms})
+            bar.update()
+        del cache
+    return rows
+
+
+# ---- send_recv.csv ------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))  # the only address any process of the profile uses
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class _P2PJob:
+    """What the two send/recv processes are told (picklable for `spawn`)."""
+
+    port: int  # 127.0.0.1 port of rank 0's store, picked by binding port 0
+    backend: str  # gloo | nccl
+    devices: tuple[str, str]  # device of rank 0 and rank 1
+    dtype: str
+    width: int  # hidden / tp: one TP rank's slice of the activations
+    tokens: tuple[int, ...]
+    warmup: int
+    repeats: int
+
+
+def _p2p_job(cfg: Config, device: torch.device, grid: ProfileGrid,
+             effort: Effort) -> tuple[_P2PJob, str]:
+    """The job and a note for device.json. NCCL needs two GPUs; with one, the activations
+    go through host memory over gloo, and the note says so."""
+    backend, devices, note = "gloo", ("cpu", "cpu"), "gloo"
+    if device.type == "cuda" and torch.cuda.device_count() >= 2:
+        backend, devices, note = dist_backend(device), ("cuda:0", "cuda:1"), "nccl, two GPUs"
+    elif device.type == "cuda":
+        note = "gloo over host memory (one GPU: NCCL needs two)"
+    width = cfg.model.hidden_size // cfg.parallel.tp
+    return _P2PJob(_free_port(), backend, devices, cfg.model.dtype, width, grid.send_tokens,
+                   effort.warmup + 1, effort.max_repeats), note
+
+
+def _join_group(rank: int, job: _P2PJob) -> None:
+    """A 2-process group whose every socket is on 127.0.0.1: rank 0's store listens on a
+    socket bound there (`init_method="tcp://..."` would listen on all interfaces), and
+    gloo / NCCL use the loopback interface."""
+    loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback[0])
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback[0])
+    timeout, listen_fd = timedelta(seconds=P2P_START_S), None
+    if rank == 0:
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", job.port))
+        server.listen()
+        listen_fd = server.detach()  # the store owns it from here
+    store = dist.TCPStore("127.0.0.1", job.port, 2, rank == 0, timeout, master_listen_fd=listen_fd)
+    dist.init_process_group(job.backend, store=store, rank=rank, world_size=2, timeout=timeout)
+
+
+def _send_recv_child(rank: int, job: _P2PJob, results) -> None:
+    """One of the two processes: ping-pong [n, width] with the other for every n; rank 0
+    reports half the median round trip in ms. Errors go to the parent, which raises."""
+    torch.set_num_threads(1)
+    device, peer = torch.device(job.devices[rank]), 1 - rank
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        _join_group(rank, job)
+        for n in job.tokens:
+            x = torch.randn(n, job.width, dtype=torch_dtype(job.dtype),
+                            device=device)  # [n, hidden / tp], contiguous
+            samples = []
+            for _ in range(job.warmup + job.repeats):
+                t0 = now(device)
+                for op in ((dist.send, dist.recv) if rank == 0 else (dist.recv, dist.send)):
+                    op(x, peer)
+                samples.append((now(device) - t0) * 1e3 / 2)
+            if rank == 0:
+                results.put(("ok", n, statistics.median(samples[job.warmup:])))
+    except Exception as exc:
+        results.put(("error", rank, f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _reap(procs: list, grace_s: float) -> None:
+    """Join the started children; terminate, then kill, any still there after grace_s."""
+    for p in (p for p in procs if p.pid is not None):
+        p.join(timeout=grace_s)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def measure_send_recv(cfg: Config, device: torch.device, grid: ProfileGrid, effort: Effort,
+                      bar: tqdm) -> tuple[list[dict], str]:
+    """Rows of send_recv.csv and the backend note, from two spawned processes; raises
+    RuntimeError when they cannot be started or fail. They are gone when this returns."""
+    job, note = _p2p_job(cfg, device, grid, effort)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_send_recv_child, args=(rank, job, results), daemon=True)
+             for rank in (0, 1)]
+    rows: list[dict] = []
+    try:
+        try:
+            for p in procs:
+                p.start()
+        except Exception as exc:
+            raise RuntimeError(f"send/recv: could not spawn the two measuring processes: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        deadline = time.monotonic() + P2P_START_S
+        while len(rows) < len(job.tokens):
+            try:
+                kind, a, b = results.get(timeout=1.0)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"send/recv: the two measuring processes stopped reporting (exit codes "
+                        f"{[p.exitcode for p in procs]}; see their stderr). A script that calls "
+                        "measure_profile needs `if __name__ == '__main__':` (spawn)") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"send/recv: rank {a} failed ({job.backend}, "
+                                   f"127.0.0.1:{job.port}): {b}")
+            rows.append({"n_embd": cfg.model.hidden_size, "num_tokens": a,
+                         "num_tensor_parallel_workers": cfg.parallel.tp,
+                         "time_stats.send_recv.median": b})
+            deadline = time.monotonic() + P2P_START_S
+            bar.update()
+    finally:  # after an error the survivor may wait on its peer forever: no grace then
+        _reap(procs, P2P_JOIN_S if len(rows) == len(job.tokens) else 0.0)
+    return rows, note
+
+
+# ---- the profile --------------------------------------------------------------------------
+def _out_dir(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"profile output {str(out)!r} is a file; give a directory "
+                          "(it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"profile output {str(out)!r} cannot be created: {exc}") from exc
+    if not os.access(out, os.W_OK):
+        raise ConfigError(f"profile output {str(out)!r} is not writable; give another directory")
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else (platform.processor() or platform.machine())
+
+
+def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows({c: ("" if r[c] is None else r[c]) for c in columns} for r in rows)
+
+
+def measure_profile(cfg: Config, out_dir: str | Path, *, quick: bool = False,
+                    progress: bool = True) -> Path:
+    """Measure the cost model's operations on this device for `cfg`'s model at its tp, and
+    write mlp.csv, attention.csv, send_recv.csv and device.json into `out_dir` (created if
+    missing; files written only once everything is measured). Returns `out_dir`."""
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"measure_profile needs a Config, got {type(cfg).__name__}")
+    cfg.validate()
+    out = _out_dir(out_dir)
+    try:
+        device = resolve_device(cfg.runtime.device)
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from exc
+    effort, grid = QUICK if quick else FULL, profile_grid(cfg, quick)
+    model = _rank_model(cfg, device).to(torch_dtype(cfg.model.dtype))  # as the worker builds it
+    model.init_random(cfg.runtime.seed)
+    model = model.eval().requires_grad_(False)
+    with tqdm(total=grid.size, desc="profile", unit="pt", disable=not progress) as bar, \
+            torch.inference_mode():
+        bar.set_description("profile mlp")
+        mlp = measure_mlp(cfg, model, grid, effort, bar)
+        bar.set_description("profile attention")
+        attention = measure_attention(cfg, model.layers[0], grid, effort, bar)
+        del model
+        bar.set_description("profile send/recv")
+        send_recv, p2p = measure_send_recv(cfg, device, grid, effort, bar)
+    _write_csv(out / "mlp.csv", MLP_COLUMNS, mlp)
+    _write_csv(out / "attention.csv", ATTENTION_COLUMNS, attention)
+    _write_csv(out / "send_recv.csv", SEND_RECV_COLUMNS, send_recv)
+    info = {"device": device.type, "name": _device_name(device), "dtype": cfg.model.dtype,
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "model": cfg.model.name, "tp": cfg.parallel.tp,
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "quick": quick, "send_recv_backend": p2p}
+    (out / "device.json").write_text(json.dumps(info, indent=2) + "\n")
+    return out
