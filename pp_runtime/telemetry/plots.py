@@ -20,6 +20,8 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+TIMELINE_PLOT_MBS = 120  # micro-batches drawn on the timeline (more are unreadable)
+
 
 def _read_csv(path: Path) -> dict[str, np.ndarray]:
     with open(path, newline="") as f:
@@ -37,7 +39,7 @@ def _read_csv(path: Path) -> dict[str, np.ndarray]:
 def _label(run_dir: Path) -> str:
     s = json.loads((run_dir / "report.json").read_text())["summary"]
     d = s["deployment"]
-    return f"{s['planner']} tp{d['tp']}xpp{d['pp']}" + (f"x{d['dp']} replicas" if d["dp"] > 1 else "")
+    return f"{s['planner']} TP{d['tp']}xPP{d['pp']}" + (f", {d['dp']} replicas" if d["dp"] > 1 else "")
 
 
 def plot_bubble_cdf(run_dirs: list[Path], out: Path) -> None:
@@ -72,6 +74,7 @@ def plot_timeline(run_dir: Path, out: Path) -> None:
     t = _read_csv(run_dir / "timeline.csv")
     if len(t["mb_id"]) == 0:
         return
+    t = {k: v[t["mb_id"] < TIMELINE_PLOT_MBS] for k, v in t.items()}
     stages = int(t["stage"].max()) + 1
     fig, ax = plt.subplots(figsize=(11, 0.5 * stages + 1.6))
     start, end = t["compute_start_s"], t["compute_end_s"]
@@ -80,7 +83,7 @@ def plot_timeline(run_dir: Path, out: Path) -> None:
         sel = t["stage"] == stage
         for mask, color in ((sel & prefill, "tab:orange"), (sel & ~prefill, "tab:blue")):
             ax.broken_barh(list(zip(start[mask], end[mask] - start[mask])), (stage - 0.4, 0.8),
-                           facecolors=color, edgecolors="white", linewidth=0.3)
+                           facecolors=color, edgecolors="black", linewidth=0.2)
         w = sel & (t["wait_s"] > 0)  # the bubble right before each compute
         gap_start = start[w] - t["transfer_s"][w] - t["wait_s"][w]
         ax.broken_barh(list(zip(gap_start, t["wait_s"][w])), (stage - 0.4, 0.8),
