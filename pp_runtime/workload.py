@@ -29,8 +29,8 @@ class RequestSpec:
 class WorkloadConfig:
     kind: str = "zipf"  # zipf | fixed | trace
     num_requests: int = 100  # zipf, fixed (a trace has its own length)
-    min_len: int = 1024  # zipf: shortest total length (prompt + output), tokens
-    max_len: int = 4096  # zipf: longest total length
+    min_len: int = 128  # zipf: shortest total length (prompt + output), tokens (paper: 1024)
+    max_len: int = 1024  # zipf: longest total length; fits GPT-2's 1024 positions (paper: 4096)
     theta: float = 0.4  # zipf exponent: 0 = uniform, larger = more short requests
     pd_ratio: float = 10.0  # prompt tokens per output token (P:D)
     prompt_len: int = 512  # fixed

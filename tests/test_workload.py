@@ -25,7 +25,7 @@ def test_zipf_lengths_stay_in_range_and_follow_the_law():
 
 
 def test_paper_workload_has_pd_10_and_is_reproducible():
-    cfg = WorkloadConfig(num_requests=2000, seed=3)
+    cfg = WorkloadConfig(num_requests=2000, seed=3, min_len=1024, max_len=4096)
     specs = generate(cfg)
     assert specs == generate(cfg)
     p = sum(s.prompt_len for s in specs)

@@ -35,6 +35,11 @@ class RunResult:
     cost_sources: dict[str, str] | None = None  # simulator: which source priced each op
 
 
+def _hardware(cfg: Config) -> str:
+    hw = cfg.hardware
+    return f"profile {hw.profile}" if hw.profile else hw.gpu
+
+
 def _stats(values: Sequence[float], keys: Sequence[str] = ("median", "p90", "p99", "mean")) -> dict:
     a = np.asarray(values, dtype=float)
     if a.size == 0:
@@ -92,7 +97,7 @@ def build_report(run: RunResult) -> tuple[dict[str, Any], list[list]]:
         "num_microbatches": len(mb_rows),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in requests)),
         "deployment": {"model": m.name, "tp": p.tp, "pp": p.pp, "dp": p.dp,
-                       "gpu": cfg.hardware.gpu if run.executor == "sim" else run.executor,
+                       "gpu": _hardware(cfg) if run.executor == "sim" else run.executor,
                        "chunk_size": pl.chunk_size, "max_batch_size": pl.max_batch_size},
         "run_wall_s": run.run_wall_s,
     }
@@ -144,20 +149,23 @@ def read_report(out_dir: str | Path) -> dict[str, Any]:
 
 def format_summary(report: dict[str, Any]) -> str:
     s = report["summary"]
-    d, b = s["deployment"], s["bubble_per_request_s"]
+    d, b, ttft, tbt = s["deployment"], s["bubble_per_request_s"], s["ttft_s"], s["tbt_s"]
     lines = [
         f"{s['planner']} on {d['model']} tp={d['tp']} pp={d['pp']} dp={d['dp']} ({d['gpu']}, "
         f"{s['executor']}): {s['num_requests']} requests, {s['num_microbatches']} micro-batches",
-        f"  makespan {s['makespan_s']:.2f} s, throughput {s['throughput_tok_s']:.0f} tok/s, "
+        f"  makespan {_t(s['makespan_s'])}, throughput {s['throughput_tok_s']:.0f} tok/s, "
         f"bubble fraction {s['bubble_fraction']:.1%}",
-        f"  bubble per request: median {b['median']:.3f} s, p90 {b['p90']:.3f} s, "
-        f"p99 {b['p99']:.3f} s, mean {b['mean']:.3f} s",
-        f"  TTFT median {s['ttft_s']['median']:.3f} s, p99 {s['ttft_s']['p99']:.3f} s; "
-        f"time between tokens median {_ms(s['tbt_s']['median'])}, p99 {_ms(s['tbt_s']['p99'])}",
+        f"  bubble per request: median {_t(b['median'])}, p90 {_t(b['p90'])}, "
+        f"p99 {_t(b['p99'])}, mean {_t(b['mean'])}",
+        f"  TTFT median {_t(ttft['median'])}, p99 {_t(ttft['p99'])}; "
+        f"time between tokens median {_t(tbt['median'])}, p99 {_t(tbt['p99'])}",
         f"  finish reasons: {s['finish_reasons']}",
     ]
     return "\n".join(lines)
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f} ms"
+def _t(x: float | None) -> str:
+    """Seconds, in ms below one second."""
+    if x is None:
+        return "-"
+    return f"{x:.2f} s" if abs(x) >= 1 else f"{x * 1e3:.2f} ms"

@@ -86,7 +86,7 @@ def test_report_command_reprints_and_replots(run_dir):
     r = subprocess.run([sys.executable, "-m", "pp_runtime.cli", "report", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert f"makespan {report['summary']['makespan_s']:.2f} s" in r.stdout
+    assert f"makespan {report['summary']['makespan_s'] * 1e3:.2f} ms" in r.stdout
     assert (out / "timeline.png").is_file()
     bad = subprocess.run([sys.executable, "-m", "pp_runtime.cli", "report", str(out / "nope")],
                          capture_output=True, text=True, timeout=60)
