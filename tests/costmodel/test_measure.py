@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pp_runtime.config import Config
-from pp_runtime.costmodel import measure
+from pp_runtime.costmodel import p2p
 from pp_runtime.costmodel.measure import (ATTENTION_COLUMNS, MLP_COLUMNS, MLP_OPS,
                                           SEND_RECV_COLUMNS, measure_profile, op_shapes,
                                           profile_grid)
@@ -160,7 +160,7 @@ def test_failed_send_recv_raises_and_leaves_no_process(tmp_path, monkeypatch):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        monkeypatch.setattr(measure, "_free_port", lambda: taken.getsockname()[1])
+        monkeypatch.setattr(p2p, "_free_port", lambda: taken.getsockname()[1])
         before = _children()
         with pytest.raises(RuntimeError, match="send/recv: rank 0 failed"):
             measure_profile(GPT.with_overrides(max_positions=32), tmp_path, quick=True,
