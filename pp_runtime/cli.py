@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from pp_runtime.config import CheckpointError, Config, ConfigError, load_config
+from pp_runtime.errors import WorkerFailed
 from pp_runtime.memory import memory_plan
 from pp_runtime.driver import ExecutorFailed
 from pp_runtime.request import InvalidRequestError, SamplingParams
@@ -53,29 +54,35 @@ def _describe(mb, out) -> str:
     kv = f" (kv {min(s.kv_len for s in decodes)}..{max(s.kv_len for s in decodes)})" if decodes else ""
     parts.append(f"{len(decodes):3d} decodes{kv}")
     parts.append(f"{mb.num_tokens:4d} tokens")
-    parts.append(f"{sum(t.compute_s for t in out.timings) * 1e3:7.1f} ms")
+    parts.append(f"{sum(t.compute_s for t in out.timings if t.tp_rank == 0) * 1e3:7.1f} ms")
     return " | ".join(parts)
 
 
 def cmd_run(args) -> int:
     from pp_runtime.llm import LLM  # torch is imported only by commands that need it
+    from pp_runtime.telemetry.recorder import RunRecorder
+    from pp_runtime.telemetry.report import RunResult, format_summary, write_report
 
     t0 = time.perf_counter()
+    overrides = _parse_overrides(args.set)
+    if args.planner:
+        overrides["planner"] = args.planner
     if args.checkpoint:
-        llm = LLM.from_pretrained(args.checkpoint, **_parse_overrides(args.set))
+        llm = LLM.from_pretrained(args.checkpoint, **overrides)
     else:
-        llm = LLM(_config(args))
+        llm = LLM(load_config(args.config, **overrides) if args.config
+                  else Config().with_overrides(**overrides))
     cfg = llm.config
-    m = cfg.model
-    kv_mb = sum(w.cache.nbytes for w in llm.executor.workers) / 2**20
+    m, p = cfg.model, cfg.parallel
     print(f"model {m.name} ({m.family}, {m.num_layers} layers, hidden {m.hidden_size}, "
-          f"{m.num_params() / 1e6:.1f}M params, {m.dtype}) on {llm.executor.device}, "
-          f"pp={cfg.parallel.pp}, planner {cfg.planner.planner}: chunk {cfg.planner.chunk_size}, "
+          f"{m.num_params() / 1e6:.1f}M params, {m.dtype}) on {llm.executor.describe()}, "
+          f"tp={p.tp} pp={p.pp}, planner {cfg.planner.planner}: chunk {cfg.planner.chunk_size}, "
           f"B={cfg.planner.max_batch_size}; KV cache {cfg.num_slots} slots x {cfg.seq_len} "
-          f"tokens = {kv_mb:.0f} MiB; ready in {time.perf_counter() - t0:.1f} s")
+          f"tokens = {kv_cache_bytes(cfg) / 2**20:.0f} MiB; ready in {time.perf_counter() - t0:.1f} s")
     rng = random.Random(args.seed)
     hi = min(args.max_prompt, cfg.seq_len - args.max_tokens)
     if hi < 1:
+        llm.shutdown()
         raise ConfigError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
                           f"{cfg.seq_len} positions")
     prompts = [[rng.randrange(m.vocab_size) for _ in range(rng.randint(min(args.min_prompt, hi), hi))]
@@ -84,20 +91,42 @@ def cmd_run(args) -> int:
                             top_p=args.top_p, seed=args.seed)
     print(f"{args.requests} requests, prompts of {min(map(len, prompts))}..{max(map(len, prompts))} "
           f"tokens, {args.max_tokens} new tokens each")
-    show = None if args.quiet else (lambda mb, out: print(_describe(mb, out), flush=True))
+    rec, executor, failed = RunRecorder(time.perf_counter), llm.executor.name, None
+
+    def on_microbatch(mb, out):
+        rec(mb, out)
+        if not args.quiet:
+            print(_describe(mb, out), flush=True)
+
     t1 = time.perf_counter()
-    outputs = llm.generate(prompts, params, on_microbatch=show)
+    try:
+        outputs = llm.generate(prompts, params, on_microbatch=on_microbatch)
+    except ExecutorFailed as exc:
+        outputs, failed = exc.outputs, exc
+    finally:
+        llm.shutdown()
     elapsed = time.perf_counter() - t1
     print(f"\n{'req':>4} {'prompt':>6} {'output':>6} {'finish':>7} {'ttft_s':>7} first tokens")
     for o in outputs:
+        ttft = "-" if o.first_token_s is None else f"{o.first_token_s:7.2f}"
         print(f"{o.request_id:4d} {len(o.prompt_token_ids):6d} {len(o.token_ids):6d} "
-              f"{o.finish_reason.value:>7} {o.first_token_s:7.2f} {o.token_ids[:8]}")
+              f"{o.finish_reason.value:>7} {ttft:>7} {o.token_ids[:8]}")
     n_out = sum(len(o.token_ids) for o in outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    out_dir = Path(args.out or f"runs/run-{m.name}-{cfg.planner.planner}")
+    report = write_report(RunResult(cfg, executor, outputs, [rec], elapsed), out_dir)
+    print(f"\n{format_summary(report)}\n  reports and plots in {out_dir}/")
+    if failed:
+        raise failed
     print(f"\n{n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s "
           f"({(n_in + n_out) / elapsed:.0f} tok/s)")
-    llm.shutdown()
     return 0
+
+
+def kv_cache_bytes(cfg: Config) -> int:
+    """K and V of every slot, layer and head, over all workers."""
+    m = cfg.model
+    return 2 * m.num_layers * cfg.num_slots * cfg.seq_len * m.kv_heads * m.head_dim * m.dtype_bytes
 
 
 def cmd_memory(args) -> int:
@@ -127,6 +156,21 @@ def _simulate_to(cfg: Config, out: Path, progress: bool = True) -> dict:
     return write_report(simulate(cfg, progress=progress), out)
 
 
+def _run_to(cfg: Config, out: Path, progress: bool = True) -> dict:
+    """cfg's workload on the real runtime; a progress bar counts generated tokens."""
+    from tqdm import tqdm
+
+    from pp_runtime.llm import run_workload
+    from pp_runtime.telemetry.report import write_report
+    from pp_runtime.workload import generate
+
+    total = sum(s.output_len for s in generate(cfg.workload))
+    with tqdm(total=total, unit="tok", disable=not progress, leave=False,
+              desc=f"run {cfg.planner.planner}") as bar:
+        run = run_workload(cfg, on_microbatch=lambda mb, res: bar.update(len(res.tokens)))
+    return write_report(run, out)
+
+
 def cmd_simulate(args) -> int:
     from pp_runtime.telemetry.report import format_summary
 
@@ -152,9 +196,6 @@ def _run_specs(args) -> list[tuple[str, str | None]]:
 def cmd_compare(args) -> int:
     from pp_runtime.telemetry.compare import compare_runs
 
-    if not args.simulate:
-        raise ConfigError("compare: the real-runtime comparison runs on the distributed (ray) "
-                          "executor, which this version does not have yet; add --simulate")
     out = Path(args.out or "runs/compare")
     runs = []
     for config, planner in _run_specs(args):
@@ -163,7 +204,7 @@ def cmd_compare(args) -> int:
         print(f"== {label}: {cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
               f"dp={cfg.parallel.dp}, B={cfg.planner.max_batch_size}, "
               f"{cfg.workload.num_requests} requests", flush=True)
-        _simulate_to(cfg, out / label, not args.quiet)
+        (_simulate_to if args.simulate else _run_to)(cfg, out / label, not args.quiet)
         runs.append(out / label)
     print(compare_runs(runs, out))
     return 0
@@ -215,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--planner", help="planner.planner (sarathi, uniform, orca-best, ...)")
+    run.add_argument("--out", help="report directory (default: runs/run-MODEL-PLANNER)")
     run.add_argument("--quiet", action="store_true", help="no per-micro-batch lines")
     run.set_defaults(func=cmd_run)
 
@@ -240,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--config", action="append", required=True, metavar="FILE[@PLANNER]",
                      help="a deployment (repeatable); @PLANNER runs it with that planner only")
     cmp.add_argument("--planners", help="comma-separated planners for configs without @")
-    cmp.add_argument("--simulate", action="store_true", help="on the simulator")
+    cmp.add_argument("--simulate", action="store_true",
+                     help="on the simulator (default: on the real runtime)")
     cmp.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                      help="override a field of every config (repeatable)")
     workload(cmp)
@@ -269,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     except ExecutorFailed as exc:
         print(f"error: the run failed, unfinished requests ended with finish reason error: {exc}",
               file=sys.stderr)
+        return 1
+    except WorkerFailed as exc:
+        print(f"error: the workers could not start: {exc}", file=sys.stderr)
         return 1
 
 

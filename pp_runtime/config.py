@@ -122,7 +122,16 @@ class PlannerConfig:
 class RuntimeConfig:
     device: str = "auto"  # "auto" (cuda if present, else cpu), "cpu", "cuda", "cuda:N"
     seed: int = 0  # random weights and default sampling seed
-    executor: str = "local"  # "local": every stage in this process
+    executor: str = "auto"  # "local": every stage in this process (tp = 1); "ray": one Ray
+    #                         actor per (stage, tp rank); "auto": ray when tp * pp > 1
+    ray_address: str | None = None  # None: start a local Ray on 127.0.0.1; "auto": join the
+    #                                 running cluster; or "HOST:PORT" of its head
+    dist_addr: str | None = None  # torch.distributed rendezvous host; None: the node of rank 0
+    #                               (127.0.0.1 when Ray runs locally)
+    dist_port: int = 0  # rendezvous port on that host; 0: a free one
+    threads_per_worker: int | None = None  # torch CPU threads per worker; None: cores / workers
+    step_timeout_s: float = 120.0  # a micro-batch no rank finishes within this ends the run
+    startup_timeout_s: float = 300.0  # actors placed, groups formed and weights loaded within this
 
 
 @dataclass(frozen=True)
@@ -286,8 +295,16 @@ def validate(cfg: Config) -> None:
            f"must be > 0, got {c.device_memory_gb}", "give the memory of one device in GB")
     _check(rt.device == "auto" or rt.device == "cpu" or rt.device.split(":")[0] == "cuda",
            "runtime.device", f"unknown device {rt.device!r}", "use auto, cpu, cuda or cuda:N")
-    _check(rt.executor == "local", "runtime.executor", f"unknown executor {rt.executor!r}",
-           "use local (the ray and torchrun executors come with the distributed runtime)")
+    _check(rt.executor in ("auto", "local", "ray"), "runtime.executor",
+           f"unknown executor {rt.executor!r}", "use auto, local or ray")
+    _check(rt.executor != "local" or p.tp == 1, "runtime.executor",
+           f"the local executor runs tp=1, got tp={p.tp}", "use executor: ray (or auto)")
+    _check(rt.dist_port >= 0, "runtime.dist_port", f"must be >= 0, got {rt.dist_port}",
+           "use 0 for a free port")
+    _check(rt.threads_per_worker is None or rt.threads_per_worker >= 1, "runtime.threads_per_worker",
+           f"must be >= 1, got {rt.threads_per_worker}", "leave it unset for cores / workers")
+    _check(rt.step_timeout_s > 0 and rt.startup_timeout_s > 0, "runtime.step_timeout_s",
+           "timeouts must be > 0", "use e.g. 120 and 300 seconds")
 
 
 # ---- YAML --------------------------------------------------------------------------------

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match its config or cannot be read."""
+
+
+class WorkerFailed(RuntimeError):
+    """A stage worker died, raised, or hung; the message names its stage and TP rank."""

@@ -7,9 +7,10 @@ from typing import Sequence
 
 from pp_runtime import driver
 from pp_runtime.config import Config, load_config
-from pp_runtime.executors.local import LocalExecutor
+from pp_runtime.executors import make_executor
 from pp_runtime.model.loader import model_config_from_hf, read_hf_config
 from pp_runtime.planner import make_planner
+from pp_runtime.telemetry.report import RunResult
 from pp_runtime.request import (InvalidRequestError, Request, RequestOutput, SamplingParams,
                                 check_prompt)
 
@@ -30,7 +31,7 @@ class LLM:
             config = load_config(config)
         self.config = config.with_overrides(**overrides) if overrides else config.validate()
         self.checkpoint = checkpoint
-        self.executor = LocalExecutor(self.config, checkpoint)
+        self.executor = make_executor(self.config, checkpoint)
         self._next_id = 0
 
     @classmethod
@@ -41,8 +42,10 @@ class LLM:
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 on_microbatch: driver.OnMicroBatch | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+                 on_microbatch: driver.OnMicroBatch | None = None,
+                 arrival_s: Sequence[float] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order. `arrival_s`
+        (non-decreasing seconds from the call) holds requests back until then.
 
         Every request is checked first: if any is invalid, InvalidRequestError names each
         bad request (by index) and nothing runs. If the executor fails mid-run, every
@@ -55,6 +58,9 @@ class LLM:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
+        arrivals = [0.0] * len(prompts) if arrival_s is None else [float(a) for a in arrival_s]
+        if len(arrivals) != len(prompts) or any(b < a for a, b in zip(arrivals, arrivals[1:])):
+            raise InvalidRequestError("arrival_s needs one non-decreasing time per prompt")
         m = self.config.model
         problems = [f"request {i}: {'; '.join(errs)}" for i, (p, sp) in enumerate(zip(prompts, plist))
                     if (errs := check_prompt(p, sp, m.vocab_size, self.config.seq_len))]
@@ -68,19 +74,32 @@ class LLM:
         requests = []
         for i, (prompt, sp) in enumerate(zip(prompts, plist)):
             seed = sp.seed if sp.seed is not None else self.config.runtime.seed * 1_000_003 + i
-            req = Request(self._next_id, prompt, sp, seed, arrival_s=0.0)
+            req = Request(self._next_id, prompt, sp, seed, arrival_s=arrivals[i])
             self._next_id += 1
             requests.append(req)
             planner.add(req)
+        self.run_requests(requests, planner, clock, on_microbatch)
+        return [r.output() for r in requests]
+
+    def run_requests(self, requests: list[Request], planner, clock,
+                     on_microbatch: driver.OnMicroBatch | None = None) -> None:
+        """Run requests already added to `planner` to the end. On an executor failure the
+        executor is torn down (this LLM cannot run again), every unfinished request ends
+        with finish reason error, and ExecutorFailed carries the outputs (`exc.outputs`)."""
+        if self.executor is None:
+            raise RuntimeError("this LLM was shut down (after shutdown() or a failed run)")
         try:
             driver.run(planner, self.executor, self.config.parallel.pp, clock, on_microbatch)
         except driver.ExecutorFailed as exc:
-            exc.outputs = [_output(r, str(exc)) for r in requests]
+            self.shutdown()
+            exc.outputs = [r.output(str(exc)) for r in requests]
             raise
-        return [_output(r) for r in requests]
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """Release the workers (Ray actors, process groups, KV caches)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
 
     def __enter__(self) -> "LLM":
         return self
@@ -89,7 +108,34 @@ class LLM:
         self.shutdown()
 
 
-def _output(req: Request, error: str | None = None) -> RequestOutput:
-    return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                         req.finish_reason, req.arrival_s, req.first_token_s, req.finish_s,
-                         error if req.finish_reason == "error" else None)
+
+def run_workload(cfg: Config, checkpoint: str | Path | None = None,
+                 on_microbatch: driver.OnMicroBatch | None = None) -> RunResult:
+    """cfg's workload on the real runtime (random token ids of the workload's lengths, each
+    request generating exactly its output length): the counterpart of `simulate(cfg)`,
+    with the same report. A failed run still returns its result, with error requests."""
+    import random
+
+    from pp_runtime.telemetry.recorder import RunRecorder
+    from pp_runtime.workload import generate as generate_workload
+
+    specs = generate_workload(cfg.workload)
+    rng = random.Random(cfg.workload.seed)
+    prompts = [[rng.randrange(cfg.model.vocab_size) for _ in range(s.prompt_len)] for s in specs]
+    params = [SamplingParams(max_tokens=s.output_len, ignore_eos=True) for s in specs]
+    rec = RunRecorder(time.perf_counter)
+
+    def record(mb, out):
+        rec(mb, out)
+        if on_microbatch:
+            on_microbatch(mb, out)
+
+    llm = LLM(cfg, checkpoint=checkpoint)
+    name, t0 = llm.executor.name, time.perf_counter()
+    try:
+        outputs = llm.generate(prompts, params, record, [s.arrival_s for s in specs])
+    except driver.ExecutorFailed as exc:
+        outputs = exc.outputs
+    finally:
+        llm.shutdown()
+    return RunResult(cfg, name, outputs, [rec], time.perf_counter() - t0)

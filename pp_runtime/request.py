@@ -84,6 +84,12 @@ class Request:
         """How the last stage picks this request's next token."""
         return self._sampling
 
+    def output(self, error: str | None = None) -> "RequestOutput":
+        """What the caller gets back; `error` is kept only when the request ended in error."""
+        return RequestOutput(self.request_id, self.prompt_token_ids, list(self.output_token_ids),
+                             self.finish_reason, self.arrival_s, self.first_token_s, self.finish_s,
+                             error if self.finish_reason == FinishReason.ERROR else None)
+
     def token_at(self, position: int) -> int:
         """Token id at a sequence position (prompt, then generated tokens)."""
         if position < self.prompt_len:

@@ -62,4 +62,5 @@ def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True) 
         replicas.append(rec)
     bar.close()
     sources = cost.sources() if hasattr(cost, "sources") else None
-    return RunResult(cfg, "sim", requests, replicas, time.perf_counter() - t0, sources)
+    return RunResult(cfg, "sim", [r.output() for r in requests], replicas,
+                     time.perf_counter() - t0, sources)

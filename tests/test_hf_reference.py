@@ -24,7 +24,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("overrides", [
     dict(chunk_size=8, max_batch_size=3),  # chunks smaller than every prompt but one
-    dict(chunk_size=5, max_batch_size=4, pp=3),  # three stages in one process
+    dict(chunk_size=5, max_batch_size=4, pp=3, executor="local"),  # three stages in one process
     dict(chunk_size=16, max_batch_size=2, tile_align=False),
 ], ids=["chunk8", "chunk5-pp3", "chunk16-untiled"])
 def test_greedy_generation_equals_transformers(hf_checkpoint, overrides):

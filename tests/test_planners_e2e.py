@@ -17,7 +17,8 @@ def reference():
 
 @pytest.mark.parametrize("name", sorted(PLANNERS))
 def test_every_planner_gives_the_same_greedy_tokens(name, reference):
-    llm = LLM("tiny", planner=name, chunk_size=16, max_batch_size=3, tile_size=16, pp=2)
+    llm = LLM("tiny", planner=name, chunk_size=16, max_batch_size=3, tile_size=16, pp=2,
+              executor="local")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference
     assert all(o.finish_reason == "length" for o in outs)
@@ -48,5 +49,6 @@ def test_executor_failure_ends_every_unfinished_request_with_error():
     outs = err.value.outputs
     assert len(outs) == 3 and all(o.finish_reason == "error" for o in outs)
     assert all("stage 0 rank 0 died" in o.error for o in outs)
-    worker.execute = real  # the engine can run again
-    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+    assert llm.executor is None  # torn down: a failed executor is never reused
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2))

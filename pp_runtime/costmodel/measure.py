@@ -40,6 +40,7 @@ from pp_runtime.model.attention import (BatchLayout, decode_attention, decode_at
                                         prefill_attention, rope)
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.transformer import DecoderLayer, StageModel
+from pp_runtime.parallel.layers import LocalShard
 from pp_runtime.costmodel.p2p import measure_send_recv
 
 MLP_OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
@@ -115,7 +116,7 @@ def _rank_model(cfg: Config, device: torch.device) -> StageModel:
     """One TP rank's shard of a one-layer first stage (embedding + layer 0), as the worker
     builds it; on the meta device it only has shapes."""
     with torch.device(device):
-        return StageModel(cfg.model, 0, 1, cfg.parallel.tp)
+        return StageModel(cfg.model, 0, 1, LocalShard(cfg.parallel.tp))
 
 
 def op_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:

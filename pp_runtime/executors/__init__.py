@@ -1,1 +1,18 @@
-"""Executors run micro-batches on stage workers: `local` (all stages in this process)."""
+"""Executors turn a MicroBatch into SampledTokens: local (in process), ray, sim."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pp_runtime.config import Config
+
+
+def make_executor(cfg: Config, checkpoint: str | Path | None = None):
+    """The executor `runtime.executor` names; `auto` is ray when tp * pp > 1, else local."""
+    kind = cfg.runtime.executor
+    if kind == "auto":
+        kind = "ray" if cfg.parallel.tp * cfg.parallel.pp > 1 else "local"
+    if kind == "ray":
+        from pp_runtime.executors.ray_executor import RayExecutor
+        return RayExecutor(cfg, checkpoint)
+    from pp_runtime.executors.local import LocalExecutor
+    return LocalExecutor(cfg, checkpoint)

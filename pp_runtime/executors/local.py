@@ -16,6 +16,8 @@ from pp_runtime.worker import StageWorker
 
 
 class LocalExecutor:
+    name = "local"
+
     def __init__(self, cfg: Config, checkpoint: str | Path | None = None):
         if cfg.parallel.tp != 1:
             raise ConfigError(f"parallel.tp: the local executor runs tp=1, got tp={cfg.parallel.tp}; "
@@ -31,6 +33,9 @@ class LocalExecutor:
             timings.append(timing)
         self._done[mb.mb_id] = replace(x, timings=tuple(timings))
         return mb.mb_id
+
+    def describe(self) -> str:
+        return f"{self.device} (local: every stage in this process)"
 
     def wait(self, handle: int) -> SampledTokens:
         return self._done.pop(handle)

@@ -45,6 +45,8 @@ class VirtualClock:
 
 
 class SimExecutor:
+    name = "sim"
+
     def __init__(self, cost: StageCost, pp: int, clock: VirtualClock):
         self.cost, self.clock = cost, clock
         self.free = [0.0] * pp  # when each stage finishes the last micro-batch it took

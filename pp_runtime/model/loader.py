@@ -1,14 +1,16 @@
 """Hugging Face-format checkpoints: `config.json` + `*.safetensors` or `pytorch_model*.bin`.
 
 `model_config_from_hf` maps a GPT-2 or LLaMA `config.json` to our `ModelConfig`;
-`load_stage_weights` fills one `StageModel` and reads only the tensors that stage needs
-(safetensors files are opened lazily). Every tensor's shape is checked against the config
-before it is copied, and a mismatch names the tensor, both shapes and the config field.
+`load_stage_weights` fills one `StageModel` and reads only the tensors that stage needs, and
+of each only the slices its tp rank holds (safetensors files are opened lazily and read
+slice by slice). Every tensor's shape is checked against the config before it is read,
+and a mismatch names the tensor, both shapes and the config field.
 """
 from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -16,6 +18,7 @@ import torch
 
 from pp_runtime.config import CheckpointError, ConfigError, ModelConfig  # noqa: F401
 from pp_runtime.model.transformer import StageModel
+from pp_runtime.parallel.layers import shard_of
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -78,19 +81,35 @@ def model_config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
                       "supported model_type values: gpt2, llama")
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor; a parameter is its pieces stacked along its output dim (dim 0):
+    LLaMA's q, k, v into our qkv, gate and up into fc1; otherwise one piece."""
+
+    name: str
+    shape: tuple[int, ...]  # the shape the config implies, as stored in the file
+    hint: str  # the config fields to check when the file disagrees
+    transposed: bool = False  # GPT-2's Conv1D stores [in, out]; we use [out, in]
+
+    def rows(self) -> int:
+        return self.shape[-1] if self.transposed else self.shape[0]
+
+
 class TensorReader:
-    """Reads single tensors by name from the checkpoint files of a directory."""
+    """Reads tensors, or slices of them, by name from the checkpoint files of a directory.
+    Safetensors are read slice by slice (`get_slice`), so a tp rank reads only its share;
+    `pytorch_model*.bin` files are memory-mapped and sliced."""
 
     def __init__(self, path: str | Path):
         from safetensors import safe_open
 
         self.path = Path(path)
-        self.index: dict[str, Callable[[], torch.Tensor]] = {}
+        self.index: dict[str, Callable[[], object]] = {}  # name -> a sliceable view
         files = sorted(self.path.glob("*.safetensors"))
         for f in files:
             handle = safe_open(str(f), framework="pt")
             for key in handle.keys():
-                self.index[key] = lambda h=handle, k=key: h.get_tensor(k)
+                self.index[key] = lambda h=handle, k=key: h.get_slice(k)
         if not files:
             for f in sorted(self.path.glob("pytorch_model*.bin")):
                 state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
@@ -102,55 +121,87 @@ class TensorReader:
     def has(self, name: str) -> bool:
         return name in self.index
 
-    def get(self, name: str, shape: tuple[int, ...], field_hint: str) -> torch.Tensor:
-        if name not in self.index:
-            raise CheckpointError(f"{self.path}: tensor {name} is missing")
-        t = self.index[name]()
-        if tuple(t.shape) != tuple(shape):
+    def read(self, piece: Piece, dim: int | None = None, start: int = 0,
+             stop: int | None = None) -> torch.Tensor:
+        """The piece in our layout ([out, in]), only [start, stop) along our `dim` (None: all),
+        after checking its full shape against the config."""
+        if piece.name not in self.index:
+            raise CheckpointError(f"{self.path}: tensor {piece.name} is missing")
+        view = self.index[piece.name]()
+        shape = tuple(view.get_shape() if hasattr(view, "get_shape") else view.shape)
+        if shape != piece.shape:
             raise CheckpointError(
-                f"{self.path}: tensor {name} has shape {tuple(t.shape)}, but the config implies "
-                f"{tuple(shape)} (check {field_hint})"
-            )
-        return t
+                f"{self.path}: tensor {piece.name} has shape {shape}, but the config implies "
+                f"{piece.shape} (check {piece.hint})")
+        if dim is None:  # the whole tensor
+            dim, start, stop = 0, 0, piece.rows()
+        file_dim = 1 - dim if piece.transposed else dim
+        t = view[start:stop] if file_dim == 0 else view[:, start:stop]  # reads only this
+        return t.t() if piece.transposed else t
 
 
-def _gpt_sources(m: ModelConfig, r: TensorReader) -> dict[str, Callable[[], torch.Tensor]]:
-    """Our parameter name -> how to build it from a GPT-2 checkpoint."""
+def _read_shard(reader: TensorReader, pieces: tuple[Piece, ...], param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: the rows (or columns) its `Shard` names, read from
+    the pieces they fall in, zero-padded where the vocabulary was padded."""
+    shard = shard_of(param)
+    if shard.dim is None:
+        return torch.cat([reader.read(p) for p in pieces])
+    blocks = []
+    for lo, hi, zeros in shard.ranges():
+        if shard.dim == 0:  # rows [lo, hi) of the pieces stacked along dim 0
+            offset = 0
+            for p in pieces:
+                a, b = max(lo, offset), min(hi, offset + p.rows())
+                if a < b:
+                    blocks.append(reader.read(p, 0, a - offset, b - offset))
+                offset += p.rows()
+        else:  # columns [lo, hi) of every piece
+            blocks.append(torch.cat([reader.read(p, shard.dim, lo, hi) for p in pieces]))
+        if zeros:
+            shape = list(param.shape)
+            shape[shard.dim] = zeros
+            blocks.append(torch.zeros(shape, dtype=blocks[-1].dtype))
+    return torch.cat(blocks, shard.dim)
+
+
+def _gpt_sources(m: ModelConfig, r: TensorReader) -> dict[str, tuple[Piece, ...]]:
+    """Our parameter name -> its pieces in a GPT-2 checkpoint."""
     pre = "transformer." if r.has("transformer.wte.weight") else ""
     h, f = m.hidden_size, m.ffn
-    H, V, P = "hidden_size", "vocab_size", "max_positions"  # noqa: N806
+    H, VH, P = "hidden_size", "vocab_size, hidden_size", "max_positions, hidden_size"  # noqa: N806
+    wte = Piece(f"{pre}wte.weight", (m.vocab_size, h), VH)
     src = {
-        "embed.weight": lambda: r.get(f"{pre}wte.weight", (m.vocab_size, h), f"{V}, {H}"),
-        "pos_embed.weight": lambda: r.get(f"{pre}wpe.weight", (m.max_positions, h), f"{P}, {H}"),
-        "final_norm.weight": lambda: r.get(f"{pre}ln_f.weight", (h,), H),
-        "final_norm.bias": lambda: r.get(f"{pre}ln_f.bias", (h,), H),
-        "lm_head.weight": lambda: r.get(f"{pre}wte.weight" if m.tied else "lm_head.weight",
-                                        (m.vocab_size, h), f"{V}, {H}"),
+        "embed.weight": (wte,),
+        "pos_embed.weight": (Piece(f"{pre}wpe.weight", (m.max_positions, h), P),),
+        "final_norm.weight": (Piece(f"{pre}ln_f.weight", (h,), H),),
+        "final_norm.bias": (Piece(f"{pre}ln_f.bias", (h,), H),),
+        "lm_head.weight": (wte if m.tied else Piece("lm_head.weight", (m.vocab_size, h), VH),),
     }
     convs = {"qkv": ("attn.c_attn", h, 3 * h), "out": ("attn.c_proj", h, h),
              "fc1": ("mlp.c_fc", h, f), "fc2": ("mlp.c_proj", f, h)}
+    hint = "hidden_size, num_heads, ffn_size"
     for i in range(m.num_layers):
         p = f"{pre}h.{i}."
         for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
             for kind in ("weight", "bias"):
-                src[f"layers.{i}.{ours}.{kind}"] = lambda n=f"{p}{theirs}.{kind}": r.get(n, (h,), H)
+                src[f"layers.{i}.{ours}.{kind}"] = (Piece(f"{p}{theirs}.{kind}", (h,), H),)
         for ours, (theirs, n_in, n_out) in convs.items():  # Conv1D stores [in, out]
-            hint = "hidden_size, num_heads, ffn_size"
             src[f"layers.{i}.{ours}.weight"] = (
-                lambda n=f"{p}{theirs}.weight", s=(n_in, n_out): r.get(n, s, hint).t())
-            src[f"layers.{i}.{ours}.bias"] = lambda n=f"{p}{theirs}.bias", s=(n_out,): r.get(n, s, hint)
+                Piece(f"{p}{theirs}.weight", (n_in, n_out), hint, transposed=True),)
+            src[f"layers.{i}.{ours}.bias"] = (Piece(f"{p}{theirs}.bias", (n_out,), hint),)
     return src
 
 
-def _llama_sources(m: ModelConfig, r: TensorReader) -> dict[str, Callable[[], torch.Tensor]]:
-    """Our parameter name -> how to build it from a LLaMA checkpoint."""
+def _llama_sources(m: ModelConfig, r: TensorReader) -> dict[str, tuple[Piece, ...]]:
+    """Our parameter name -> its pieces in a LLaMA checkpoint."""
     h, f, kv = m.hidden_size, m.ffn, m.kv_heads * m.head_dim
     hint = "hidden_size, num_heads, num_kv_heads, ffn_size"
+    embed = Piece("model.embed_tokens.weight", (m.vocab_size, h), "vocab_size")
     src = {
-        "embed.weight": lambda: r.get("model.embed_tokens.weight", (m.vocab_size, h), "vocab_size"),
-        "final_norm.weight": lambda: r.get("model.norm.weight", (h,), "hidden_size"),
-        "lm_head.weight": lambda: r.get("lm_head.weight" if not m.tied else
-                                        "model.embed_tokens.weight", (m.vocab_size, h), "vocab_size"),
+        "embed.weight": (embed,),
+        "final_norm.weight": (Piece("model.norm.weight", (h,), "hidden_size"),),
+        "lm_head.weight": (embed if m.tied else Piece("lm_head.weight", (m.vocab_size, h),
+                                                      "vocab_size"),),
     }
     parts = {"qkv": [("self_attn.q_proj", h), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
              "out": [("self_attn.o_proj", h)],
@@ -158,20 +209,21 @@ def _llama_sources(m: ModelConfig, r: TensorReader) -> dict[str, Callable[[], to
     n_in = {"qkv": h, "out": h, "fc1": h, "fc2": f}
     for i in range(m.num_layers):
         p = f"model.layers.{i}."
-        src[f"layers.{i}.attn_norm.weight"] = lambda n=f"{p}input_layernorm.weight": r.get(n, (h,), hint)
+        src[f"layers.{i}.attn_norm.weight"] = (Piece(f"{p}input_layernorm.weight", (h,), hint),)
         src[f"layers.{i}.mlp_norm.weight"] = (
-            lambda n=f"{p}post_attention_layernorm.weight": r.get(n, (h,), hint))
+            Piece(f"{p}post_attention_layernorm.weight", (h,), hint),)
         for ours, pieces in parts.items():  # fused: rows of q, k, v (or gate, up) stacked
-            src[f"layers.{i}.{ours}.weight"] = lambda ps=pieces, k=n_in[ours], p=p: torch.cat(
-                [r.get(f"{p}{name}.weight", (rows, k), hint) for name, rows in ps])
-            src[f"layers.{i}.{ours}.bias"] = lambda ps=pieces, p=p: torch.cat(
-                [r.get(f"{p}{name}.bias", (rows,), hint) for name, rows in ps])
+            src[f"layers.{i}.{ours}.weight"] = tuple(
+                Piece(f"{p}{name}.weight", (rows, n_in[ours]), hint) for name, rows in pieces)
+            src[f"layers.{i}.{ours}.bias"] = tuple(
+                Piece(f"{p}{name}.bias", (rows,), hint) for name, rows in pieces)
     return src
 
 
 @torch.no_grad()
 def load_stage_weights(stage: StageModel, path: str | Path) -> None:
-    """Copy this stage's tensors from the checkpoint at `path` into `stage`."""
+    """Copy this stage's tensors from the checkpoint at `path` into `stage`: only its layers,
+    and of each tensor only this tp rank's shard (`shard_of(param)`)."""
     reader = TensorReader(path)
     m = stage.cfg
     sources = (_gpt_sources if m.family == "gpt" else _llama_sources)(m, reader)
@@ -179,7 +231,7 @@ def load_stage_weights(stage: StageModel, path: str | Path) -> None:
         parts = name.split(".")
         if parts[0] == "layers":
             parts[1] = str(int(parts[1]) + stage.lo)
-        tensor = sources[".".join(parts)]()
+        tensor = _read_shard(reader, sources[".".join(parts)], param)
         if tensor.shape != param.shape:  # our shapes follow the config; a guard for fused tensors
             raise CheckpointError(f"{path}: {name} built with shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(param.shape)}")

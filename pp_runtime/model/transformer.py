@@ -9,6 +9,12 @@ share one layer:
 
 Every linear layer runs once over all rows of a micro-batch (decode-maximal batching);
 only attention looks at sequence boundaries (see attention.py).
+
+Linear layers and embeddings come from a `Parallel` (parallel/layers.py): whole at tp = 1,
+cut among a stage's tp ranks otherwise (QKV and FFN-up column-parallel, attention output
+and FFN-down row-parallel, embedding and LM head vocab-parallel; norms and GPT's position
+embedding whole). The model code is the same either way; a rank has `heads / tp` query
+heads and `kv_heads / tp` KV heads, matching its KV cache.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from torch import nn
 from pp_runtime.config import ModelConfig
 from pp_runtime.model.attention import BatchLayout, hybrid_attention, rope
 from pp_runtime.model.kv_cache import KVCache
+from pp_runtime.parallel.layers import Parallel, Unsharded, shard_of
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
     """Layers [lo, hi) of a stage: as even as possible, earlier stages take the remainder."""
@@ -57,23 +64,24 @@ ACTIVATIONS = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, m: ModelConfig, tp: int = 1):
+    def __init__(self, m: ModelConfig, par: Parallel):
         super().__init__()
         self.family, self.rope_theta = m.family, m.rope_theta
-        self.heads, self.kv_heads, self.head_dim = m.num_heads // tp, m.kv_heads // tp, m.head_dim
-        q_dim, kv_dim, ffn = self.heads * self.head_dim, self.kv_heads * self.head_dim, m.ffn // tp
-        gated = m.family == "llama"
+        # this rank's heads; the layers below take the FULL widths and cut them
+        self.heads, self.kv_heads, self.head_dim = m.num_heads // par.tp, m.kv_heads // par.tp, m.head_dim
+        h, q, kv, ffn = m.hidden_size, m.num_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn
+        up_parts = (ffn, ffn) if m.family == "llama" else (ffn,)  # llama: gate | up
         self.attn_norm = make_norm(m)
-        self.qkv = nn.Linear(m.hidden_size, q_dim + 2 * kv_dim, bias=m.use_bias)
-        self.out = nn.Linear(q_dim, m.hidden_size, bias=m.use_bias)
+        self.qkv = par.column(h, q + 2 * kv, m.use_bias, parts=(q, kv, kv))  # rank rows [q_r; k_r; v_r]
+        self.out = par.row(q, h, m.use_bias)
         self.mlp_norm = make_norm(m)
-        self.fc1 = nn.Linear(m.hidden_size, (2 if gated else 1) * ffn, bias=m.use_bias)
-        self.fc2 = nn.Linear(ffn, m.hidden_size, bias=m.use_bias)
+        self.fc1 = par.column(h, sum(up_parts), m.use_bias, parts=up_parts)
+        self.fc2 = par.row(ffn, h, m.use_bias)
         self.act = ACTIVATIONS[m.act]
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 layout: BatchLayout) -> torch.Tensor:
-        # x: [T, hidden], T = every token of the micro-batch
+        # x: [T, hidden], T = every token of the micro-batch; q_dim, kv_dim: this rank's
         q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qkv = self.qkv(self.attn_norm(x))  # [T, q_dim + 2 * kv_dim]
         q = qkv[:, :q_dim].view(-1, self.heads, self.head_dim)  # [T, heads, head_dim]
@@ -84,7 +92,7 @@ class DecoderLayer(nn.Module):
             q, k = rope(q, cos, sin), rope(k, cos, sin)
         attn = hybrid_attention(q, k, v, k_cache, v_cache, layout)  # [T, heads, head_dim]
         x = x + self.out(attn.reshape(-1, q_dim))
-        h = self.fc1(self.mlp_norm(x))  # [T, ffn] or [T, 2 * ffn] (gate, up)
+        h = self.fc1(self.mlp_norm(x))  # [T, ffn / tp] or [T, 2 * ffn / tp] (gate, up)
         if self.family == "llama":
             gate, up = h.chunk(2, dim=-1)
             h = self.act(gate) * up
@@ -94,20 +102,23 @@ class DecoderLayer(nn.Module):
 
 
 class StageModel(nn.Module):
-    """Layers [lo, hi) of the model, plus the embedding (first stage) or head (last stage)."""
+    """Layers [lo, hi) of the model, plus the embedding (first stage) or head (last stage),
+    one tp rank's share of each as `par` cuts it."""
 
-    def __init__(self, m: ModelConfig, lo: int, hi: int, tp: int = 1):
+    def __init__(self, m: ModelConfig, lo: int, hi: int, par: Parallel = Unsharded()):
         super().__init__()
-        self.cfg, self.lo, self.hi = m, lo, hi
+        self.cfg, self.lo, self.hi, self.par = m, lo, hi, par
         self.is_first, self.is_last = lo == 0, hi == m.num_layers
         if self.is_first:
-            self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
+            self.embed = par.vocab_embedding(m.vocab_size, m.hidden_size)
             if m.family == "gpt":
                 self.pos_embed = nn.Embedding(m.max_positions, m.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(m, tp) for _ in range(lo, hi))
+        self.layers = nn.ModuleList(DecoderLayer(m, par) for _ in range(lo, hi))
         if self.is_last:
             self.final_norm = make_norm(m)
-            self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+            self.lm_head = par.vocab_head(m.vocab_size, m.hidden_size)
+            if m.tied and self.is_first:  # same padding and cut as the embedding: share it
+                self.lm_head.weight = self.embed.weight
 
     def embed_tokens(self, token_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         x = self.embed(token_ids)  # [T, hidden]
@@ -125,13 +136,16 @@ class StageModel(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] in float32 (last stage only)."""
-        return self.lm_head(self.final_norm(hidden)).float()
+        """hidden: [N, hidden] -> logits [N, vocab] in float32, the same on every tp rank
+        (last stage only)."""
+        local = self.lm_head(self.final_norm(hidden))  # [N, padded_vocab / tp]
+        return self.par.gather_vocab(local, self.cfg.vocab_size).float()  # [N, vocab]
 
     @torch.no_grad()
     def init_random(self, seed: int) -> None:
         """GPT-2-style init; each layer seeded by its global index, so any cut into
-        stages gives the same weights as the whole model."""
+        stages gives the same weights as the whole model. A tp rank draws each full tensor
+        and keeps its shard, so any tp gives the same weights too."""
         std = 0.02
         for name, p in self.named_parameters():
             parts = name.split(".")
@@ -147,4 +161,6 @@ class StageModel(nn.Module):
                 p.fill_(1.0)
             else:  # residual projections scaled down with depth, as in GPT-2
                 scale = std / math.sqrt(2 * self.cfg.num_layers) if parts[-2] in ("out", "fc2") else std
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
+                shard = shard_of(p)
+                full = torch.randn(shard.full_shape(p.shape), generator=g) * scale
+                p.copy_(shard.take(full))

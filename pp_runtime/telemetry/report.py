@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pp_runtime.config import Config
-from pp_runtime.request import Request
+from pp_runtime.request import RequestOutput
 from pp_runtime.telemetry.bubbles import account
 from pp_runtime.telemetry.recorder import RunRecorder
 
@@ -29,7 +29,7 @@ class RunResult:
 
     cfg: Config
     executor: str  # "sim", "local", "ray", "torchrun"
-    requests: list[Request]
+    requests: list[RequestOutput]
     replicas: list[RunRecorder]  # one per data-parallel replica
     run_wall_s: float  # how long the run itself took (a simulation's own runtime)
     cost_sources: dict[str, str] | None = None  # simulator: which source priced each op
@@ -72,8 +72,8 @@ def build_report(run: RunResult) -> tuple[dict[str, Any], list[list]]:
                             acc.mb_bubble_s.get(mb.mb_id, 0.0)])
     requests = []
     for r in run.requests:
-        requests.append({"id": r.request_id, "prompt_tokens": r.prompt_len,
-                         "output_tokens": len(r.output_token_ids), "arrival_s": r.arrival_s,
+        requests.append({"id": r.request_id, "prompt_tokens": len(r.prompt_token_ids),
+                         "output_tokens": len(r.token_ids), "arrival_s": r.arrival_s,
                          "first_token_s": r.first_token_s, "finish_s": r.finish_s,
                          "bubble_s": request_bubble.get(r.request_id, 0.0),
                          "num_microbatches": num_mbs.get(r.request_id, 0),

@@ -9,7 +9,7 @@ from pp_runtime.config import config_from_dict
 from pp_runtime.executors.sim import SimExecutor, VirtualClock
 from pp_runtime.simulate import route, simulate
 from pp_runtime.telemetry.bubbles import account
-from pp_runtime.workload import RequestSpec
+from pp_runtime.workload import RequestSpec, generate
 
 
 class TokenCost:
@@ -91,8 +91,9 @@ def test_invariants_of_a_simulated_run():
             assert t.compute_start_s >= prev.compute_end_s + t.transfer_s - 1e-12
     for r in run.requests:  # every request ran to its workload length, after it arrived
         assert r.finish_reason == "length" and r.first_token_s > r.arrival_s
-    specs_out = sorted(len(r.output_token_ids) for r in run.requests)
-    assert specs_out == sorted(r.params.max_tokens for r in run.requests)
+    specs = generate(cfg.workload)
+    assert [(len(r.prompt_token_ids), len(r.token_ids)) for r in run.requests] == [
+        (s.prompt_len, s.output_len) for s in specs]
 
 
 def test_identical_microbatch_costs_leave_only_the_pipeline_fill_as_bubble():

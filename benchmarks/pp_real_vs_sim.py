@@ -1,0 +1,76 @@
+"""SARATHI vs Orca on the real pipeline runtime, and the simulator's prediction of both.
+
+On this machine: PP=2 (two Ray actors, one process and one torch thread per stage, gloo on
+127.0.0.1), GPT-2-small shapes with random weights, a Zipf workload
+(`configs/cpu/gpt2_pp2.yaml`). In one run it
+  1. measures a profile of this machine (`pp-runtime profile`, the model's own ops),
+  2. runs SARATHI and orca-best on the real runtime,
+  3. simulates both with that profile,
+and prints median bubble per request, bubble fraction, throughput and makespan for each,
+the SARATHI / orca ratios, and the simulated / real makespan gap.
+Targets (issue 5): SARATHI's bubble fraction <= 5 % and >= 3x lower than orca-best's;
+simulated makespan within 10 % of the real one.
+
+    python benchmarks/pp_real_vs_sim.py [--requests 32] [--out runs/pp_real_vs_sim]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on 127.0.0.1
+
+from pp_runtime.config import load_config  # noqa: E402
+from pp_runtime.costmodel.measure import measure_profile  # noqa: E402
+from pp_runtime.llm import run_workload  # noqa: E402
+from pp_runtime.simulate import simulate  # noqa: E402
+from pp_runtime.telemetry.report import format_summary, write_report  # noqa: E402
+
+
+def row(name: str, s: dict) -> str:
+    b = s["bubble_per_request_s"]["median"]
+    return (f"{name:<18}{s['makespan_s']:>10.2f}{s['throughput_tok_s']:>10.0f}"
+            f"{b * 1e3:>14.1f}{s['bubble_fraction']:>12.1%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="cpu/gpt2_pp2")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--out", default="runs/pp_real_vs_sim")
+    ap.add_argument("--quick-profile", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    cfg = load_config(args.config, **{"workload.num_requests": args.requests})
+    profile = measure_profile(cfg, out / "profile", quick=args.quick_profile)
+    print(f"profile of this machine in {profile}/")
+    results = {}
+    for planner in ("sarathi", "orca-best"):
+        c = cfg.with_overrides(planner=planner)
+        real = write_report(run_workload(c), out / f"real-{planner}")["summary"]
+        sim = write_report(simulate(c.with_overrides(**{"hardware.profile": str(profile)}),
+                                    progress=False), out / f"sim-{planner}")["summary"]
+        results[planner] = (real, sim)
+        print(format_summary({"summary": real}))
+    print(f"\n{'run':<18}{'makespan s':>10}{'tok/s':>10}{'bubble/req ms':>14}{'bubble frac':>12}")
+    for planner, (real, sim) in results.items():
+        print(row(f"real {planner}", real))
+        print(row(f"sim {planner}", sim))
+    (rs, ss), (ro, so) = results["sarathi"], results["orca-best"]
+    for label, a, b in (("real", rs, ro), ("sim", ss, so)):
+        frac = b["bubble_fraction"] / a["bubble_fraction"] if a["bubble_fraction"] else float("inf")
+        med = (b["bubble_per_request_s"]["median"] / a["bubble_per_request_s"]["median"]
+               if a["bubble_per_request_s"]["median"] else float("inf"))
+        print(f"{label}: orca-best / sarathi: bubble fraction {frac:.2f}x, median bubble per request "
+              f"{med:.2f}x, makespan {b['makespan_s'] / a['makespan_s']:.2f}x")
+    for planner, (real, sim) in results.items():
+        gap = sim["makespan_s"] / real["makespan_s"] - 1
+        print(f"simulated / real makespan, {planner}: {sim['makespan_s']:.2f} / {real['makespan_s']:.2f} s "
+              f"= {gap:+.1%} (target within 10 %)")
+    print(f"targets: SARATHI bubble fraction {rs['bubble_fraction']:.1%} (<= 5 %), "
+          f"orca-best / SARATHI {ro['bubble_fraction'] / max(rs['bubble_fraction'], 1e-12):.1f}x (>= 3x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""The Ray executor: one actor per (stage, TP rank), activations over torch.distributed.
+
+Placement: one placement-group bundle per stage holding its tp workers (a bundle never
+spans nodes, so a stage's TP group is packed on one node and its all-reduces stay on
+NVLink), bundles spread over nodes (SPREAD). Rank r = stage * tp + tp_rank.
+
+For every micro-batch the driver submits `execute(mb)` to every actor in rank order; Ray
+runs an actor's calls in submission order, so point-to-point pairs always match and up to
+pp micro-batches overlap in the pipeline. `wait` collects one result per actor: token ids
+from TP rank 0 of the last stage, a `StageTiming` from everyone.
+
+Faults: an actor that dies, a call that raises, or a rank that does not finish within
+`runtime.step_timeout_s` (or `startup_timeout_s` while starting) raises `WorkerFailed`
+naming the stage and rank; the driver then ends every unfinished request with finish
+reason `error`, and `shutdown()` kills every actor and removes the placement group.
+"""
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from pathlib import Path
+
+from pp_runtime.batch import MicroBatch, SampledTokens
+from pp_runtime.config import Config
+from pp_runtime.errors import WorkerFailed
+from pp_runtime.parallel.groups import DistSpec, free_port
+
+
+class StageActor:
+    """The body of one Ray actor: a `StageWorker` for (stage, tp_rank) in its own process."""
+
+    def __init__(self, cfg: Config, stage: int, tp_rank: int, checkpoint: str | None):
+        import torch
+
+        from pp_runtime.device import resolve_device
+
+        workers_here = cfg.parallel.tp * cfg.parallel.pp
+        torch.set_num_threads(cfg.runtime.threads_per_worker
+                              or max(1, (os.cpu_count() or 1) // workers_here))
+        self.cfg, self.stage, self.tp_rank, self.checkpoint = cfg, stage, tp_rank, checkpoint
+        self.device = resolve_device(cfg.runtime.device)
+        self.worker = None
+
+    def rendezvous_address(self, local: bool) -> tuple[str, int]:
+        """Where rank 0 can listen: this node's address (127.0.0.1 for a local Ray), a free port."""
+        import ray
+
+        addr = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        return addr, free_port(addr)
+
+    def start(self, spec: DistSpec) -> bool:
+        from pp_runtime.parallel.groups import init_distributed
+        from pp_runtime.worker import StageWorker
+
+        groups = init_distributed(spec, self.stage * spec.tp + self.tp_rank)
+        self.worker = StageWorker(self.cfg, self.stage, self.device, self.checkpoint, groups)
+        return True
+
+    def execute(self, mb: MicroBatch):
+        out, timing = self.worker.execute(mb)
+        tokens = out.tokens if isinstance(out, SampledTokens) and self.tp_rank == 0 else None
+        return tokens, timing
+
+    def sleep(self, seconds: float) -> None:
+        """Fault injection for tests: stall this worker's next calls."""
+        time.sleep(seconds)
+
+    def shutdown(self) -> None:
+        from pp_runtime.parallel.groups import destroy
+
+        if self.worker is not None and self.worker.link is not None:
+            self.worker.link.flush()
+        destroy()
+
+
+class RayExecutor:
+    name = "ray"
+
+    def __init__(self, cfg: Config, checkpoint: str | Path | None = None):
+        import ray
+
+        self.cfg, self.ray = cfg, ray
+        p, rt = cfg.parallel, cfg.runtime
+        self.tp, self.pp = p.tp, p.pp
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            start_ray(rt.ray_address, p.tp * p.pp)
+        self.actors, self._pgs = [], []  # what _release frees
+        # an executor dropped without shutdown() still frees its actors when collected
+        self._finalizer = weakref.finalize(self, _release, self.actors, self._pgs, False)
+        try:
+            self._start(checkpoint)
+        except Exception:
+            self.shutdown()
+            raise
+
+    # ---- startup ---------------------------------------------------------------------
+    def _start(self, checkpoint) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, cfg, rt = self.ray, self.cfg, self.cfg.runtime
+        gpus = self.gpus = 1 if _uses_cuda(cfg, ray) else 0
+        bundle = {"CPU": self.tp, **({"GPU": self.tp} if gpus else {})}
+        pg = placement_group([dict(bundle) for _ in range(self.pp)], strategy="SPREAD")
+        self._pgs.append(pg)
+        try:
+            ray.get(pg.ready(), timeout=rt.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerFailed(f"Ray could not place {self.pp} stages of {bundle} within "
+                               f"{rt.startup_timeout_s} s; is the cluster big enough?") from None
+        actor_cls = ray.remote(StageActor)
+        ckpt = str(checkpoint) if checkpoint is not None else None
+        for stage in range(self.pp):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=stage)
+            for r in range(self.tp):
+                self.actors.append(actor_cls.options(
+                    num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy,
+                    name=None).remote(cfg, stage, r, ckpt))
+        local = rt.ray_address is None
+        addr, port = self._gather([self.actors[0].rendezvous_address.remote(local)],
+                                  rt.startup_timeout_s, "finding a rendezvous address")[0]
+        spec = DistSpec(rt.dist_addr or addr, rt.dist_port or port, self.tp, self.pp,
+                        "nccl" if gpus else "gloo", rt.step_timeout_s)
+        self._gather([a.start.remote(spec) for a in self.actors], rt.startup_timeout_s,
+                     "joining the process group and loading weights")
+
+    # ---- the executor interface --------------------------------------------------------
+    def describe(self) -> str:
+        return f"ray ({len(self.actors)} actors, {'nccl' if self.gpus else 'gloo'})"
+
+    def submit(self, mb: MicroBatch) -> tuple[int, list]:
+        return mb.mb_id, [a.execute.remote(mb) for a in self.actors]
+
+    def wait(self, handle: tuple[int, list]) -> SampledTokens:
+        mb_id, refs = handle
+        results = self._gather(refs, self.cfg.runtime.step_timeout_s, f"micro-batch {mb_id}")
+        last = (self.pp - 1) * self.tp  # TP rank 0 of the last stage samples
+        return SampledTokens(mb_id, results[last][0], tuple(t for _, t in results))
+
+    def _gather(self, refs: list, timeout_s: float, what: str) -> list:
+        """ray.get of one ref per actor (rank order), failing fast on the first error and
+        naming the rank that died, raised or hung."""
+        ray, pending, deadline = self.ray, list(refs), time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                ray.get(ready[0])
+            except Exception as exc:  # RayActorError (died), RayTaskError (raised)
+                raise WorkerFailed(f"{self._name(refs.index(ready[0]))} failed during {what}: "
+                                   f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        if pending:
+            first = min(refs.index(r) for r in pending)
+            raise WorkerFailed(f"{self._name(first)} did not finish {what} within {timeout_s:g} s "
+                               f"(runtime.step_timeout_s / startup_timeout_s)")
+        return ray.get(list(refs))
+
+    def _name(self, i: int) -> str:
+        return f"stage {i // self.tp} tp rank {i % self.tp}"
+
+    def shutdown(self) -> None:
+        """Kill every actor (their process groups go with them) and free the placement."""
+        self._finalizer.detach()
+        _release(self.actors, self._pgs, self._owns_ray)
+        self._owns_ray = False
+
+
+def _release(actors: list, pgs: list, stop_ray: bool) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        return
+    if actors:
+        try:  # a clean exit where the actor still answers; killed either way
+            ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=5)
+        except Exception:
+            pass
+        for a in actors:
+            ray.kill(a)
+        actors.clear()
+    for pg in pgs:
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(pg)
+    pgs.clear()
+    if stop_ray:
+        ray.shutdown()
+
+
+def start_ray(address: str | None, workers: int) -> None:
+    """Join a cluster (`address`), or start a local Ray whose every port listens on
+    127.0.0.1 with enough logical CPUs for one per worker."""
+    import ray
+
+    if address is not None:
+        ray.init(address=address, log_to_driver=True)
+        return
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's own switch for 127.0.0.1 only
+    ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+
+
+def _uses_cuda(cfg: Config, ray) -> bool:
+    """device auto: CUDA when the cluster has a GPU per worker (the driver may have none)."""
+    dev = cfg.runtime.device
+    if dev == "auto":
+        return ray.cluster_resources().get("GPU", 0) >= cfg.parallel.tp * cfg.parallel.pp
+    return dev.startswith("cuda")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return next((line for line in reversed(text) if line.strip()), type(exc).__name__)[:300]

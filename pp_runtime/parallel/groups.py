@@ -1,0 +1,104 @@
+"""Process groups as objects: one world of tp x pp ranks, the TP group of every stage.
+
+Rank r = stage * tp + tp_rank: the TP ranks of a stage are consecutive (and placed on one
+node), stage s talks to stages s - 1 and s + 1 through the same TP rank. The rendezvous
+address and port are given explicitly (`DistSpec`); nothing here reads them from the
+environment. The store listens on that address only (a `tcp://` init method would listen
+on every interface), and on a loopback address gloo / NCCL use the loopback interface.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistSpec:
+    """How every rank of one deployment joins its process group (picklable)."""
+
+    addr: str  # rendezvous host: where rank 0's store listens
+    port: int  # rendezvous port
+    tp: int
+    pp: int
+    backend: str  # nccl on CUDA, gloo on CPU
+    timeout_s: float  # rendezvous and every collective / point-to-point call
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class StageGroups:
+    """What one rank needs to talk to the others: its TP group and its stage neighbours."""
+
+    tp: int
+    pp: int
+    rank: int
+    tp_group: object  # torch.distributed ProcessGroup of this stage's tp ranks
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def prev_rank(self) -> int | None:
+        """The same TP rank of the previous stage (None on stage 0)."""
+        return self.rank - self.tp if self.stage > 0 else None
+
+    @property
+    def next_rank(self) -> int | None:
+        """The same TP rank of the next stage (None on the last stage)."""
+        return self.rank + self.tp if self.stage < self.pp - 1 else None
+
+
+def free_port(addr: str) -> int:
+    """A port that is free on addr now (bound and released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def init_distributed(spec: DistSpec, rank: int) -> StageGroups:
+    """Join the deployment's process group as `rank`; create every stage's TP group (all
+    ranks create all groups, in the same order, as torch.distributed requires)."""
+    if _is_loopback(spec.addr):
+        lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+        if lo:  # keep gloo / NCCL sockets on the loopback interface too
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+    timeout, listen_fd = timedelta(seconds=spec.timeout_s), None
+    if rank == 0:
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((spec.addr, spec.port))  # fails now, clearly, if the port is taken
+        server.listen()
+        listen_fd = server.detach()  # the store owns the socket from here
+    store = dist.TCPStore(spec.addr, spec.port, spec.world_size, rank == 0, timeout,
+                          master_listen_fd=listen_fd)
+    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
+                            timeout=timeout)
+    tp_groups = [dist.new_group(list(range(s * spec.tp, (s + 1) * spec.tp)))
+                 for s in range(spec.pp)]
+    return StageGroups(spec.tp, spec.pp, rank, tp_groups[rank // spec.tp])
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
