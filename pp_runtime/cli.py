@@ -63,6 +63,8 @@ def cmd_run(args) -> int:
     from pp_runtime.telemetry.recorder import RunRecorder
     from pp_runtime.telemetry.report import RunResult, format_summary, write_report
 
+    if args.workload:
+        return _run_config_workload(args)
     t0 = time.perf_counter()
     overrides = _parse_overrides(args.set)
     if args.planner:
@@ -79,17 +81,18 @@ def cmd_run(args) -> int:
           f"tp={p.tp} pp={p.pp}, planner {cfg.planner.planner}: chunk {cfg.planner.chunk_size}, "
           f"B={cfg.planner.max_batch_size}; KV cache {cfg.num_slots} slots x {cfg.seq_len} "
           f"tokens = {kv_cache_bytes(cfg) / 2**20:.0f} MiB; ready in {time.perf_counter() - t0:.1f} s")
-    rng = random.Random(args.seed)
+    n, seed = args.requests or 8, args.seed or 0
+    rng = random.Random(seed)
     hi = min(args.max_prompt, cfg.seq_len - args.max_tokens)
     if hi < 1:
         llm.shutdown()
         raise ConfigError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
                           f"{cfg.seq_len} positions")
     prompts = [[rng.randrange(m.vocab_size) for _ in range(rng.randint(min(args.min_prompt, hi), hi))]
-               for _ in range(args.requests)]
+               for _ in range(n)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
-    print(f"{args.requests} requests, prompts of {min(map(len, prompts))}..{max(map(len, prompts))} "
+                            top_p=args.top_p, seed=seed)
+    print(f"{n} requests, prompts of {min(map(len, prompts))}..{max(map(len, prompts))} "
           f"tokens, {args.max_tokens} new tokens each")
     rec, executor, failed = RunRecorder(time.perf_counter), llm.executor.name, None
 
@@ -121,6 +124,18 @@ def cmd_run(args) -> int:
     print(f"\n{n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s "
           f"({(n_in + n_out) / elapsed:.0f} tok/s)")
     return 0
+
+
+def _run_config_workload(args) -> int:
+    """`run --workload`: the config's workload section on the real runtime, like simulate."""
+    from pp_runtime.telemetry.report import format_summary
+
+    cfg = _sim_config(args.config, args)
+    out = Path(args.out or f"runs/run-{cfg.model.name}-{cfg.planner.planner}")
+    report = _run_to(cfg, out, not args.quiet)
+    print(format_summary(report))
+    print(f"  ran in {report['summary']['run_wall_s']:.1f} s; reports and plots in {out}/")
+    return 1 if report["summary"]["finish_reasons"].get("error") else 0
 
 
 def kv_cache_bytes(cfg: Config) -> int:
@@ -249,14 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate and print one line per micro-batch")
     common(run)
     run.add_argument("--checkpoint", help="Hugging Face-format model directory")
-    run.add_argument("--requests", type=int, default=8)
+    run.add_argument("--requests", type=int, default=None, help="requests (default 8)")
     run.add_argument("--min-prompt", type=int, default=32)
     run.add_argument("--max-prompt", type=int, default=600)
     run.add_argument("--max-tokens", type=int, default=24)
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=None, help="sampling / workload seed (default 0)")
     run.add_argument("--planner", help="planner.planner (sarathi, uniform, orca-best, ...)")
+    run.add_argument("--workload", action="store_true",
+                     help="run the config's workload section (as simulate does) instead of "
+                          "random prompts; --requests and --seed then set workload fields")
     run.add_argument("--out", help="report directory (default: runs/run-MODEL-PLANNER)")
     run.add_argument("--quiet", action="store_true", help="no per-micro-batch lines")
     run.set_defaults(func=cmd_run)

@@ -97,7 +97,7 @@ def build_report(run: RunResult) -> tuple[dict[str, Any], list[list]]:
         "num_microbatches": len(mb_rows),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in requests)),
         "deployment": {"model": m.name, "tp": p.tp, "pp": p.pp, "dp": p.dp,
-                       "gpu": _hardware(cfg) if run.executor == "sim" else run.executor,
+                       "gpu": _hardware(cfg) if run.executor == "sim" else cfg.runtime.device,
                        "chunk_size": pl.chunk_size, "max_batch_size": pl.max_batch_size},
         "run_wall_s": run.run_wall_s,
     }
