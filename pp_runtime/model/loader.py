@@ -140,7 +140,8 @@ class TensorReader:
         return t.t() if piece.transposed else t
 
 
-def _read_shard(reader: TensorReader, pieces: tuple[Piece, ...], param: torch.Tensor) -> torch.Tensor:
+def _read_shard(reader: TensorReader, pieces: tuple[Piece, ...],
+                param: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter: the rows (or columns) its `Shard` names, read from
     the pieces they fall in, zero-padded where the vocabulary was padded."""
     shard = shard_of(param)
@@ -160,7 +161,7 @@ def _read_shard(reader: TensorReader, pieces: tuple[Piece, ...], param: torch.Te
         if zeros:
             shape = list(param.shape)
             shape[shard.dim] = zeros
-            blocks.append(torch.zeros(shape, dtype=blocks[-1].dtype))
+            blocks.append(torch.zeros(shape, dtype=param.dtype))  # on CPU, like the reads
     return torch.cat(blocks, shard.dim)
 
 

@@ -68,11 +68,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.family, self.rope_theta = m.family, m.rope_theta
         # this rank's heads; the layers below take the FULL widths and cut them
-        self.heads, self.kv_heads, self.head_dim = m.num_heads // par.tp, m.kv_heads // par.tp, m.head_dim
+        self.heads, self.kv_heads = m.num_heads // par.tp, m.kv_heads // par.tp
+        self.head_dim = m.head_dim
         h, q, kv, ffn = m.hidden_size, m.num_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn
         up_parts = (ffn, ffn) if m.family == "llama" else (ffn,)  # llama: gate | up
         self.attn_norm = make_norm(m)
-        self.qkv = par.column(h, q + 2 * kv, m.use_bias, parts=(q, kv, kv))  # rank rows [q_r; k_r; v_r]
+        # rank r's rows are [q_r; k_r; v_r]: its query heads and its KV-cache heads line up
+        self.qkv = par.column(h, q + 2 * kv, m.use_bias, parts=(q, kv, kv))
         self.out = par.row(q, h, m.use_bias)
         self.mlp_norm = make_norm(m)
         self.fc1 = par.column(h, sum(up_parts), m.use_bias, parts=up_parts)

@@ -21,8 +21,9 @@ random init and the checkpoint loader can cut a full tensor, or read a slice, fo
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -158,9 +159,6 @@ class _PlainTorch(Parallel):
     def _row(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         return nn.Linear(in_features // self.tp, out_features, bias=bias)
 
-    def _embedding(self, padded_vocab: int, hidden: int) -> nn.Module:
-        return nn.Embedding(padded_vocab, hidden)
-
 
 @dataclass(frozen=True)
 class Unsharded(_PlainTorch):
@@ -168,6 +166,9 @@ class Unsharded(_PlainTorch):
 
     tp: ClassVar[int] = 1
     tp_rank: ClassVar[int] = 0
+
+    def _embedding(self, padded_vocab: int, hidden: int) -> nn.Module:
+        return nn.Embedding(padded_vocab, hidden)
 
     def gather_vocab(self, local_logits: torch.Tensor, vocab: int) -> torch.Tensor:
         return local_logits[:, :vocab]  # [N, vocab]: nothing to gather, no padding at tp = 1
@@ -205,12 +206,21 @@ class LocalShard(_PlainTorch):
         return local_logits  # [N, padded / tp]: no group to gather over
 
 
+class _Megatron(NamedTuple):
+    config: type  # ModelParallelConfig
+    column: type
+    row: type
+    embedding: type
+
+
 @functools.cache
-def _megatron():
+def _megatron() -> _Megatron:
     """Megatron-core's parallel layers, returning the output tensor only (imported on first
     use: the import takes seconds)."""
-    from megatron.core import tensor_parallel as mtp
-    from megatron.core.model_parallel_config import ModelParallelConfig
+    with warnings.catch_warnings():  # its optional GPU extensions are absent on CPU
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from megatron.core import tensor_parallel as mtp
+        from megatron.core.model_parallel_config import ModelParallelConfig
 
     class Column(mtp.ColumnParallelLinear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -220,7 +230,7 @@ def _megatron():
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
             return super().forward(x)[0]
 
-    return ModelParallelConfig, Column, Row, mtp.VocabParallelEmbedding
+    return _Megatron(ModelParallelConfig, Column, Row, mtp.VocabParallelEmbedding)
 
 
 def _no_init(weight: torch.Tensor) -> None:
@@ -231,8 +241,9 @@ def _no_init(weight: torch.Tensor) -> None:
 class TensorParallel(Parallel):
     """Megatron-core's `ColumnParallelLinear(gather_output=False)`,
     `RowParallelLinear(input_is_parallel=True)` and `VocabParallelEmbedding` over `tp_group`
-    (gloo on CPU, NCCL on CUDA). Parameters are allocated on the default device, uninitialized.
-    Megatron's own gathers allocate on CUDA, so the vocabulary gather is ours."""
+    (gloo on CPU, NCCL on CUDA). Parameters are allocated on the default device (build the
+    model under `with torch.device(...)`), uninitialized. Megatron's own gathers allocate on
+    CUDA, so the vocabulary gather is ours."""
 
     tp_group: dist.ProcessGroup
     tp: int
@@ -245,23 +256,24 @@ class TensorParallel(Parallel):
                              f"has size {self.tp_group.size()}, rank {self.tp_group.rank()}")
 
     def _config(self):
-        config_cls = _megatron()[0]
-        return config_cls(tensor_model_parallel_size=self.tp, use_cpu_initialization=True,
-                          params_dtype=self.dtype, perform_initialization=False)
+        # use_cpu_initialization: allocate on the default device (CUDA's branch hard-codes
+        # the current GPU); perform_initialization=False: weights are ours to init or load
+        return _megatron().config(tensor_model_parallel_size=self.tp, use_cpu_initialization=True,
+                                  params_dtype=self.dtype, perform_initialization=False)
 
     def _column(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
-        return _megatron()[1](in_features, out_features, config=self._config(),
-                              init_method=_no_init, bias=bias, gather_output=False,
-                              tp_group=self.tp_group)
+        return _megatron().column(in_features, out_features, config=self._config(),
+                                  init_method=_no_init, bias=bias, gather_output=False,
+                                  tp_group=self.tp_group)
 
     def _row(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
-        return _megatron()[2](in_features, out_features, config=self._config(),
-                              init_method=_no_init, bias=bias, input_is_parallel=True,
-                              skip_bias_add=False, tp_group=self.tp_group)
+        return _megatron().row(in_features, out_features, config=self._config(),
+                               init_method=_no_init, bias=bias, input_is_parallel=True,
+                               skip_bias_add=False, tp_group=self.tp_group)
 
     def _embedding(self, padded_vocab: int, hidden: int) -> nn.Module:
-        return _megatron()[3](padded_vocab, hidden, config=self._config(),
-                              init_method=_no_init, tp_group=self.tp_group)
+        return _megatron().embedding(padded_vocab, hidden, config=self._config(),
+                                     init_method=_no_init, tp_group=self.tp_group)
 
     def gather_vocab(self, local_logits: torch.Tensor, vocab: int) -> torch.Tensor:
         local = local_logits.contiguous()  # [N, padded / tp]
