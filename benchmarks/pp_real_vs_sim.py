@@ -43,7 +43,9 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     cfg = load_config(args.config, **{"workload.num_requests": args.requests})
-    profile = measure_profile(cfg, out / "profile", quick=args.quick_profile)
+    import torch
+    torch.set_num_threads(cfg.runtime.threads_per_worker or 1)  # as each stage worker runs
+    profile = measure_profile(cfg, out / "profile", quick=args.quick_profile, progress=False)
     print(f"profile of this machine in {profile}/")
     results = {}
     for planner in ("sarathi", "orca-best"):

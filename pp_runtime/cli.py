@@ -243,6 +243,9 @@ def cmd_profile(args) -> int:
     from pp_runtime.costmodel.measure import measure_profile
 
     cfg = _config(args)
+    if cfg.runtime.threads_per_worker:  # measure as the stage workers will run
+        import torch
+        torch.set_num_threads(cfg.runtime.threads_per_worker)
     out = Path(args.out or f"runs/profile-{cfg.model.name}")
     t0 = time.perf_counter()
     path = measure_profile(cfg, out, quick=args.quick, progress=not args.quiet)

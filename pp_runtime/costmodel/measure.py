@@ -15,11 +15,14 @@ tables (milliseconds, `time_stats.OP.median`), so one loader reads both:
   device.json    device, name, dtype, threads, torch, model, tp, time of measurement
 
 Each point: warm-up, then as many timed calls as fit a small budget (within bounds); the
-median is written. The caller's thread count is used as it is.
+median is written. The caller's thread count is used as it is. Successive calls go to
+successive layers of a stage-sized stack (`cold_layers`), as in a real forward pass: one
+layer timed in a loop keeps its weights and KV in the CPU cache and reads 2-3x too fast.
 """
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import platform
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from pp_runtime.batch import MicroBatch, SeqChunk
@@ -44,7 +48,8 @@ from pp_runtime.parallel.layers import LocalShard
 from pp_runtime.costmodel.p2p import measure_send_recv
 
 MLP_OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
-           "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+           "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add",
+           "lm_head")  # lm_head (ours, not Vidur's): the LM head matmul over num_tokens rows
 MLP_COLUMNS = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size",
                "use_gated_mlp", "num_tokens", "num_tensor_parallel_workers",
                *(f"time_stats.{op}.median" for op in MLP_OPS))
@@ -112,11 +117,22 @@ def profile_grid(cfg: Config, quick: bool = False) -> ProfileGrid:
     return ProfileGrid(tokens, prefills, decodes, tokens)
 
 
-def _rank_model(cfg: Config, device: torch.device) -> StageModel:
-    """One TP rank's shard of a one-layer first stage (embedding + layer 0), as the worker
+COLD_BYTES = 1 << 30  # at most this much weight (and KV) in the rotated stack
+
+
+def cold_layers(cfg: Config) -> int:
+    """Layers to rotate through: the deepest stage's, within COLD_BYTES of weights."""
+    m = cfg.model
+    per_layer = (m.num_params() - m.vocab_size * m.hidden_size) / m.num_layers / cfg.parallel.tp
+    stage = -(-m.num_layers // cfg.parallel.pp)
+    return max(1, min(stage, int(COLD_BYTES // max(1, per_layer * m.dtype_bytes))))
+
+
+def _rank_model(cfg: Config, device: torch.device, layers: int = 1) -> StageModel:
+    """One TP rank's shard of a first stage (embedding + `layers` layers), as the worker
     builds it; on the meta device it only has shapes."""
     with torch.device(device):
-        return StageModel(cfg.model, 0, 1, LocalShard(cfg.parallel.tp))
+        return StageModel(cfg.model, 0, layers, LocalShard(cfg.parallel.tp))
 
 
 def op_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -171,9 +187,11 @@ def _mlp_act(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
     return layer.act(h)
 
 
-def _layer_ops(model: StageModel, n: int, seq_len: int) -> dict[str, Callable | None]:
-    """One call per MLP_OPS entry on inputs of n tokens made beforehand (None: not run)."""
+def _layer_ops(model: StageModel, head: nn.Module, n: int, seq_len: int) -> dict[str, Callable | None]:
+    """One call per MLP_OPS entry on inputs of n tokens made beforehand (None: not run);
+    each call of an op runs on the next layer of the stack."""
     layer: DecoderLayer = model.layers[0]
+    nxt = itertools.cycle(model.layers).__next__  # the layer the next call runs on
     w = layer.qkv.weight
     q_dim, kv_dim = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
     layout = BatchLayout.build(_flat_batch(n, seq_len), w.device)
@@ -191,15 +209,16 @@ def _layer_ops(model: StageModel, n: int, seq_len: int) -> dict[str, Callable | 
         cos, sin = layout.rope_tables(layer.rope_theta, layer.head_dim, q.dtype)
         rope_op = lambda: (rope(q, cos, sin), rope(k, cos, sin))  # noqa: E731
     return {"emb": lambda: model.embed_tokens(ids, layout),
-            "input_layernorm": lambda: layer.attn_norm(x),
-            "attn_pre_proj": lambda: layer.qkv(x),
+            "input_layernorm": lambda: nxt().attn_norm(x),
+            "attn_pre_proj": lambda: nxt().qkv(x),
             "attn_rope": rope_op,
-            "attn_post_proj": lambda: layer.out(attn),
-            "post_attention_layernorm": lambda: layer.mlp_norm(x),
-            "mlp_up_proj": lambda: layer.fc1(x),
+            "attn_post_proj": lambda: nxt().out(attn),
+            "post_attention_layernorm": lambda: nxt().mlp_norm(x),
+            "mlp_up_proj": lambda: nxt().fc1(x),
             "mlp_act": lambda: _mlp_act(layer, up),
-            "mlp_down_proj": lambda: layer.fc2(act),
-            "add": lambda: x + y}
+            "mlp_down_proj": lambda: nxt().fc2(act),
+            "add": lambda: x + y,
+            "lm_head": lambda: head(x)}
 
 
 def measure_mlp(cfg: Config, model: StageModel, grid: ProfileGrid, effort: Effort,
@@ -208,8 +227,11 @@ def measure_mlp(cfg: Config, model: StageModel, grid: ProfileGrid, effort: Effor
     shape = {"n_head": m.num_heads, "n_kv_head": m.kv_heads, "n_embd": m.hidden_size,
              "n_expanded_embd": m.ffn, "vocab_size": m.vocab_size,
              "use_gated_mlp": m.family == "llama"}  # the full model's sizes, as in Vidur
+    with torch.device(device):  # one rank's LM head: [vocab / tp, hidden]
+        head = LocalShard(cfg.parallel.tp).vocab_head(m.vocab_size, m.hidden_size)
+    head = head.to(model.layers[0].qkv.weight.dtype)
     for n in grid.num_tokens:
-        ops = _layer_ops(model, n, cfg.seq_len)
+        ops = _layer_ops(model, head, n, cfg.seq_len)
         times = {op: 0.0 if fn is None else median_ms(fn, device, effort) for op, fn in ops.items()}
         rows.append({**shape, "num_tokens": n, "num_tensor_parallel_workers": cfg.parallel.tp,
                      **{f"time_stats.{op}.median": t for op, t in times.items()}})
@@ -225,7 +247,8 @@ def _prefill_op(layer: DecoderLayer, cache: KVCache, chunk: int, cached: int) ->
     span = BatchLayout.build(mb, w.device).prefills[0]
     q = torch.randn(chunk, layer.heads, layer.head_dim, dtype=w.dtype,
                     device=w.device)  # [C, heads / tp, head_dim]
-    return lambda: prefill_attention(q, *cache.layer(0), span)
+    kv = itertools.cycle([cache.layer(i) for i in range(len(cache.k))]).__next__
+    return lambda: prefill_attention(q, *kv(), span)
 
 
 def _decode_op(layer: DecoderLayer, cache: KVCache, batch: int, cached: int) -> Callable:
@@ -237,15 +260,18 @@ def _decode_op(layer: DecoderLayer, cache: KVCache, batch: int, cached: int) -> 
     lay = BatchLayout.build(mb, w.device)
     q = torch.randn(batch, layer.heads, layer.head_dim, dtype=w.dtype,
                     device=w.device)  # [b, heads / tp, head_dim]
-    kc, vc = cache.layer(0)
+    kv = itertools.cycle([cache.layer(i) for i in range(len(cache.k))]).__next__
     if lay.decode_mask is not None:  # GPU: one padded call
-        return lambda: decode_attention(q, kc, vc, lay.decode_slots, lay.decode_mask)
-    return lambda: decode_attention_views(q, kc, vc, lay.decode_slot_list, lay.decode_lens)
+        return lambda: decode_attention(q, *kv(), lay.decode_slots, lay.decode_mask)
+    return lambda: decode_attention_views(q, *kv(), lay.decode_slot_list, lay.decode_lens)
 
 
-def _filled_cache(layer: DecoderLayer, slots: int, seq_len: int) -> KVCache:
+def _filled_cache(layer: DecoderLayer, slots: int, seq_len: int, layers: int) -> KVCache:
+    """A KV cache of `layers` layers (rotated through, like the weights), within COLD_BYTES."""
     w = layer.qkv.weight
-    cache = KVCache(1, slots, seq_len, layer.kv_heads, layer.head_dim, w.dtype, w.device)
+    per_layer = 2 * slots * seq_len * layer.kv_heads * layer.head_dim * w.element_size()
+    layers = max(1, min(layers, COLD_BYTES // max(1, per_layer)))
+    cache = KVCache(layers, slots, seq_len, layer.kv_heads, layer.head_dim, w.dtype, w.device)
     for t in (*cache.k, *cache.v):  # [slots, seq_len, kv_heads / tp, head_dim]
         t.normal_()
     return cache
@@ -256,7 +282,7 @@ def measure_attention(cfg: Config, layer: DecoderLayer, grid: ProfileGrid, effor
     m, device, rows = cfg.model, layer.qkv.weight.device, []
     for is_prefill, points in ((True, grid.prefills), (False, grid.decodes)):
         slots = 1 if is_prefill else max((b for b, _ in points), default=1)
-        cache = _filled_cache(layer, slots, cfg.seq_len)
+        cache = _filled_cache(layer, slots, cfg.seq_len, cold_layers(cfg))
         for a, cached in points:  # a: the chunk (prefill) or the number of decodes
             op = (_prefill_op if is_prefill else _decode_op)(layer, cache, a, cached)
             ms = median_ms(op, device, effort)
@@ -317,7 +343,7 @@ def measure_profile(cfg: Config, out_dir: str | Path, *, quick: bool = False,
     except RuntimeError as exc:
         raise ConfigError(str(exc)) from exc
     effort, grid = QUICK if quick else FULL, profile_grid(cfg, quick)
-    model = _rank_model(cfg, device).to(torch_dtype(cfg.model.dtype))  # as the worker builds it
+    model = _rank_model(cfg, device, cold_layers(cfg)).to(torch_dtype(cfg.model.dtype))
     model.init_random(cfg.runtime.seed)
     model = model.eval().requires_grad_(False)
     with tqdm(total=grid.size, desc="profile", unit="pt", disable=not progress) as bar, \

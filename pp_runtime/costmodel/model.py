@@ -23,7 +23,7 @@ from pp_runtime.costmodel.devices import device_spec
 from pp_runtime.costmodel.network import all_reduce, gather, send
 from pp_runtime.costmodel.pricing import (Priced, Pricing, Target, attention, layer_ops,
                                           linear_sources, load_profile, price_op)
-from pp_runtime.costmodel.roofline import LayerShape, op_time
+from pp_runtime.costmodel.roofline import LayerShape
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
@@ -47,8 +47,8 @@ def build_pricing(cfg: Config) -> Pricing:
     if ar is not None:
         layer["tp_all_reduce"] = Priced(lambda n: 2 * ar[0](n), f"2 per layer x {ar[0].source}")
     norm = price_op("input_layernorm", t, sources)
-    head = Priced(lambda r: norm(r) + op_time("lm_head", t.shape, r, t.device),
-                  f"final norm: {norm.source}; LM head matmul: roofline {t.device.name}")
+    lm = price_op("lm_head", t, sources)  # measured in local profiles, else the roofline
+    head = Priced(lambda r: norm(r) + lm(r), f"final norm: {norm.source}; LM head matmul: {lm.source}")
     return Pricing(layer, price_op("emb", t, sources), head, attention(t), send(t, True),
                    send(t, False), gather(t, ar))
 

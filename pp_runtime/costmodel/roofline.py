@@ -20,7 +20,7 @@ from pp_runtime.costmodel.devices import DeviceSpec
 # vidur's per-layer operations (columns `time_stats.OP.median` of mlp.csv)
 LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 SMALL_OPS = ("input_layernorm", "post_attention_layernorm", "attn_rope", "mlp_act", "add")
-TABLE_OPS = ("emb",) + LINEAR_OPS + SMALL_OPS
+TABLE_OPS = ("emb",) + LINEAR_OPS + SMALL_OPS + ("lm_head",)  # lm_head: local profiles only
 
 
 @dataclass(frozen=True)
