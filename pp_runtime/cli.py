@@ -130,7 +130,7 @@ def _run_config_workload(args) -> int:
     """`run --workload`: the config's workload section on the real runtime, like simulate."""
     from pp_runtime.telemetry.report import format_summary
 
-    cfg = _sim_config(args.config, args)
+    cfg = config_from_args(args.config, args)
     out = Path(args.out or f"runs/run-{cfg.model.name}-{cfg.planner.planner}")
     report = _run_to(cfg, out, not args.quiet)
     print(format_summary(report))
@@ -153,7 +153,7 @@ def cmd_memory(args) -> int:
     return 0
 
 
-def _sim_config(config: str | None, args, planner: str | None = None) -> Config:
+def config_from_args(config: str | None, args, planner: str | None = None) -> Config:
     overrides = _parse_overrides(args.set)
     if planner or getattr(args, "planner", None):
         overrides["planner"] = planner or args.planner
@@ -189,7 +189,7 @@ def _run_to(cfg: Config, out: Path, progress: bool = True) -> dict:
 def cmd_simulate(args) -> int:
     from pp_runtime.telemetry.report import format_summary
 
-    cfg = _sim_config(args.config, args)
+    cfg = config_from_args(args.config, args)
     out = Path(args.out or f"runs/simulate-{cfg.model.name}-{cfg.planner.planner}")
     report = _simulate_to(cfg, out, not args.quiet)
     print(format_summary(report))
@@ -214,7 +214,7 @@ def cmd_compare(args) -> int:
     out = Path(args.out or "runs/compare")
     runs = []
     for config, planner in _run_specs(args):
-        cfg = _sim_config(config, args, planner)
+        cfg = config_from_args(config, args, planner)
         label = f"{Path(config).stem}-{cfg.planner.planner}"
         print(f"== {label}: {cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
               f"dp={cfg.parallel.dp}, B={cfg.planner.max_batch_size}, "

@@ -123,7 +123,8 @@ class RuntimeConfig:
     device: str = "auto"  # "auto" (cuda if present, else cpu), "cpu", "cuda", "cuda:N"
     seed: int = 0  # random weights and default sampling seed
     executor: str = "auto"  # "local": every stage in this process (tp = 1); "ray": one Ray
-    #                         actor per (stage, tp rank); "auto": ray when tp * pp > 1
+    #                         actor per (stage, tp rank); "auto": ray when tp * pp > 1;
+    #                         "torchrun": set by `python -m pp_runtime.launch.torchrun`
     ray_address: str | None = None  # None: start a local Ray on 127.0.0.1; "auto": join the
     #                                 running cluster; or "HOST:PORT" of its head
     dist_addr: str | None = None  # torch.distributed rendezvous host; None: the node of rank 0
@@ -295,8 +296,8 @@ def validate(cfg: Config) -> None:
            f"must be > 0, got {c.device_memory_gb}", "give the memory of one device in GB")
     _check(rt.device == "auto" or rt.device == "cpu" or rt.device.split(":")[0] == "cuda",
            "runtime.device", f"unknown device {rt.device!r}", "use auto, cpu, cuda or cuda:N")
-    _check(rt.executor in ("auto", "local", "ray"), "runtime.executor",
-           f"unknown executor {rt.executor!r}", "use auto, local or ray")
+    _check(rt.executor in ("auto", "local", "ray", "torchrun"), "runtime.executor",
+           f"unknown executor {rt.executor!r}", "use auto, local, ray or torchrun")
     _check(rt.executor != "local" or p.tp == 1, "runtime.executor",
            f"the local executor runs tp=1, got tp={p.tp}", "use executor: ray (or auto)")
     _check(rt.dist_port >= 0, "runtime.dist_port", f"must be >= 0, got {rt.dist_port}",

@@ -24,14 +24,15 @@ class LLM:
     """
 
     def __init__(self, config: Config | str | Path | None = None, *,
-                 checkpoint: str | Path | None = None, **overrides):
+                 checkpoint: str | Path | None = None, executor=None, **overrides):
         if config is None:
             config = Config()
         elif not isinstance(config, Config):
             config = load_config(config)
         self.config = config.with_overrides(**overrides) if overrides else config.validate()
         self.checkpoint = checkpoint
-        self.executor = make_executor(self.config, checkpoint)
+        # an executor built by the caller (the torchrun launcher's), else the config's
+        self.executor = executor if executor is not None else make_executor(self.config, checkpoint)
         self._next_id = 0
 
     @classmethod
@@ -110,7 +111,7 @@ class LLM:
 
 
 def run_workload(cfg: Config, checkpoint: str | Path | None = None,
-                 on_microbatch: driver.OnMicroBatch | None = None) -> RunResult:
+                 on_microbatch: driver.OnMicroBatch | None = None, executor=None) -> RunResult:
     """cfg's workload on the real runtime (random token ids of the workload's lengths, each
     request generating exactly its output length): the counterpart of `simulate(cfg)`,
     with the same report. A failed run still returns its result, with error requests."""
@@ -130,7 +131,7 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
         if on_microbatch:
             on_microbatch(mb, out)
 
-    llm = LLM(cfg, checkpoint=checkpoint)
+    llm = LLM(cfg, checkpoint=checkpoint, executor=executor)
     name, t0 = llm.executor.name, time.perf_counter()
     try:
         outputs = llm.generate(prompts, params, record, [s.arrival_s for s in specs])

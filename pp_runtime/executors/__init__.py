@@ -1,4 +1,4 @@
-"""Executors turn a MicroBatch into SampledTokens: local (in process), ray, sim."""
+"""Executors turn a MicroBatch into SampledTokens: local (in process), ray, torchrun, sim."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +11,10 @@ def make_executor(cfg: Config, checkpoint: str | Path | None = None):
     kind = cfg.runtime.executor
     if kind == "auto":
         kind = "ray" if cfg.parallel.tp * cfg.parallel.pp > 1 else "local"
+    if kind == "torchrun":
+        from pp_runtime.errors import ConfigError
+        raise ConfigError("runtime.executor: torchrun runs inside torchrun; start it with "
+                          "`torchrun ... -m pp_runtime.launch.torchrun --config FILE`")
     if kind == "ray":
         from pp_runtime.executors.ray_executor import RayExecutor
         return RayExecutor(cfg, checkpoint)

@@ -76,8 +76,7 @@ def _is_loopback(addr: str) -> bool:
 
 
 def init_distributed(spec: DistSpec, rank: int) -> StageGroups:
-    """Join the deployment's process group as `rank`; create every stage's TP group (all
-    ranks create all groups, in the same order, as torch.distributed requires)."""
+    """Join the deployment's process group as `rank` and create every stage's TP group."""
     if _is_loopback(spec.addr):
         lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
         if lo:  # keep gloo / NCCL sockets on the loopback interface too
@@ -94,9 +93,14 @@ def init_distributed(spec: DistSpec, rank: int) -> StageGroups:
                           master_listen_fd=listen_fd)
     dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
                             timeout=timeout)
-    tp_groups = [dist.new_group(list(range(s * spec.tp, (s + 1) * spec.tp)))
-                 for s in range(spec.pp)]
-    return StageGroups(spec.tp, spec.pp, rank, tp_groups[rank // spec.tp])
+    return stage_groups(spec.tp, spec.pp, rank)
+
+
+def stage_groups(tp: int, pp: int, rank: int) -> StageGroups:
+    """Every stage's TP group, created on every rank of an initialized world (all ranks
+    create all groups, in the same order, as torch.distributed requires)."""
+    tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+    return StageGroups(tp, pp, rank, tp_groups[rank // tp])
 
 
 def destroy() -> None:

@@ -130,6 +130,10 @@ def write_report(run: RunResult, out_dir: str | Path, plots: bool = True) -> dic
     _write_csv(out / "requests.csv", REQUEST_COLUMNS,
                ([r[c] for c in REQUEST_COLUMNS] for r in report["requests"]))
     _write_csv(out / "microbatches.csv", MB_COLUMNS, mb_rows)
+    with open(out / "outputs.jsonl", "w") as f:  # what each request generated
+        for r in run.requests:
+            f.write(json.dumps({"id": r.request_id, "token_ids": r.token_ids,
+                                "finish_reason": str(r.finish_reason)}) + "\n")
     first = run.replicas[0].microbatches[:TIMELINE_MBS] if run.replicas else []
     _write_csv(out / "timeline.csv", TIMELINE_COLUMNS,
                ([t.mb_id, t.stage, t.compute_start_s, t.compute_end_s, t.wait_s, t.transfer_s,

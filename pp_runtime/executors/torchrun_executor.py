@@ -1,0 +1,99 @@
+"""The torchrun executor: one stage worker per torchrun process; rank 0 also drives.
+
+Rank r = stage * tp + tp_rank, as for Ray. Rank 0 (stage 0, TP rank 0) runs the planner and
+the driver loop. `submit(mb)` sends the plan to every other rank over a gloo CPU group (the
+control channel, also with NCCL for the activations) and then runs rank 0's own stage-0
+work; the other ranks (`serve`) take plans in order, execute them, and send back
+`(token ids or None, StageTiming)`. `wait(mb)` collects those in rank order. Sends on the
+control channel never block (isend), so a rank busy with its stage never stalls another.
+
+A rank that dies takes the job down through torchrun's agent; a rank that hangs makes the
+others fail after the process group's timeout (`runtime.step_timeout_s`).
+"""
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from pp_runtime.batch import MicroBatch, SampledTokens
+from pp_runtime.worker import StageWorker
+
+
+class ControlChannel:
+    """Picklable objects between ranks over a gloo group: a size, then the bytes."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self._pending: list = []  # (work, tensors) of sends not known to be done
+
+    def send(self, obj: object, dst: int) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # [n]
+        size = torch.tensor([payload.numel()], dtype=torch.long)
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        for t in (size, payload):
+            self._pending.append((dist.isend(t, dst=dst, group=self.group), t))
+
+    def recv(self, src: int) -> object:
+        size = torch.empty(1, dtype=torch.long)
+        dist.recv(size, src=src, group=self.group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(payload, src=src, group=self.group)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def flush(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+
+
+def _result(worker: StageWorker, out) -> object:
+    return out.tokens if isinstance(out, SampledTokens) and worker.tp_rank == 0 else None
+
+
+class TorchrunExecutor:
+    """Rank 0's executor: the driver's `submit` / `wait` over the control channel."""
+
+    name = "torchrun"
+
+    def __init__(self, worker: StageWorker, ctrl: ControlChannel, world_size: int, tp: int):
+        self.worker, self.ctrl, self.world, self.tp = worker, ctrl, world_size, tp
+        self.last = world_size - tp  # TP rank 0 of the last stage: it samples
+        self._own: dict[int, tuple] = {}  # mb id -> rank 0's (tokens, timing)
+
+    def describe(self) -> str:
+        return f"torchrun ({self.world} ranks, {dist.get_backend()})"
+
+    def submit(self, mb: MicroBatch) -> int:
+        for r in range(1, self.world):
+            self.ctrl.send(mb, r)
+        out, timing = self.worker.execute(mb)
+        self._own[mb.mb_id] = (_result(self.worker, out), timing)
+        return mb.mb_id
+
+    def wait(self, mb_id: int) -> SampledTokens:
+        results = [self._own.pop(mb_id)] + [self.ctrl.recv(r) for r in range(1, self.world)]
+        return SampledTokens(mb_id, results[self.last][0], tuple(t for _, t in results))
+
+    def shutdown(self) -> None:
+        """Tell every other rank to stop (they leave `serve`)."""
+        if self.world:
+            for r in range(1, self.world):
+                self.ctrl.send(None, r)
+            self.ctrl.flush()
+            self.world = 0
+
+
+def serve(worker: StageWorker, ctrl: ControlChannel) -> int:
+    """A rank other than 0: execute plans from rank 0 in order until told to stop;
+    returns how many micro-batches it ran."""
+    n = 0
+    while (mb := ctrl.recv(0)) is not None:
+        out, timing = worker.execute(mb)
+        ctrl.send((_result(worker, out), timing), 0)
+        n += 1
+    if worker.link is not None:
+        worker.link.flush()
+    ctrl.flush()
+    return n
