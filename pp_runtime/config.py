@@ -133,6 +133,7 @@ class RuntimeConfig:
     threads_per_worker: int | None = None  # torch CPU threads per worker; None: cores / workers
     step_timeout_s: float = 120.0  # a micro-batch no rank finishes within this ends the run
     startup_timeout_s: float = 300.0  # actors placed, groups formed and weights loaded within this
+    metrics: bool = True  # export Ray metrics (ray executor)
 
 
 @dataclass(frozen=True)

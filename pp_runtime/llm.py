@@ -25,6 +25,8 @@ class LLM:
 
     def __init__(self, config: Config | str | Path | None = None, *,
                  checkpoint: str | Path | None = None, executor=None, **overrides):
+        if isinstance(executor, str):  # a config override (executor="local"), not an object
+            overrides["executor"], executor = executor, None
         if config is None:
             config = Config()
         elif not isinstance(config, Config):
@@ -89,12 +91,29 @@ class LLM:
         with finish reason error, and ExecutorFailed carries the outputs (`exc.outputs`)."""
         if self.executor is None:
             raise RuntimeError("this LLM was shut down (after shutdown() or a failed run)")
+        executor = self.executor
+        if executor.name == "ray" and self.config.runtime.metrics:  # live Ray metrics
+            executor, on_microbatch = self._with_metrics(requests, planner, clock, on_microbatch)
         try:
-            driver.run(planner, self.executor, self.config.parallel.pp, clock, on_microbatch)
+            driver.run(planner, executor, self.config.parallel.pp, clock, on_microbatch)
         except driver.ExecutorFailed as exc:
             self.shutdown()
             exc.outputs = [r.output(str(exc)) for r in requests]
             raise
+
+    def _with_metrics(self, requests: list[Request], planner, clock, on_microbatch):
+        """The executor and callback of a run that records a `RuntimeMetrics` (monitoring.md)."""
+        from itertools import takewhile
+
+        from pp_runtime.telemetry.metrics import RuntimeMetrics
+
+        def queue_depth() -> int:  # arrived, waiting for a KV slot (planner.waiting is FCFS)
+            now = clock()
+            return sum(1 for _ in takewhile(lambda r: r.arrival_s <= now, planner.waiting))
+
+        metrics = RuntimeMetrics.for_config(self.config, {r.request_id: r for r in requests},
+                                            clock, queue_depth)
+        return metrics.watch(self.executor), metrics.chain(on_microbatch)
 
     def shutdown(self) -> None:
         """Release the workers (Ray actors, process groups, KV caches)."""

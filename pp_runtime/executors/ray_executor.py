@@ -200,7 +200,8 @@ def start_ray(address: str | None, workers: int) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's own switch for 127.0.0.1 only
-    ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
+    ray.init(address="local",  # a new instance, never a head that `ray start` left running
+             num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=False)
 
 

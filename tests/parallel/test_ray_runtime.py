@@ -26,7 +26,7 @@ PROMPTS = [[(7 * i + 3 * j) % 290 + 1 for j in range(n)] for i, n in enumerate((
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False)
     yield
     ray.shutdown()

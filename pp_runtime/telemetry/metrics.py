@@ -1,0 +1,251 @@
+"""Live metrics of a run, exported through Ray's metrics agent (docs/monitoring.md).
+
+A `RuntimeMetrics` is made per run (one `generate` call) and fed by the driver loop's own
+hooks: it wraps the executor (`submit` / `wait` count the micro-batches in flight) and
+chains the `on_microbatch` callback. Per micro-batch it applies the bubble rule online
+with the same `StageAccumulator` that `bubbles.account()` runs after the fact, so the
+live per-stage numbers equal the report's. Per-request numbers (bubble, TTFT, time between
+tokens) are recorded when the request finishes.
+
+Values go to a `Sink`: `RaySink` (`ray.util.metrics`, imported only here and only when Ray
+is already running) or `NullSink`, so the in-process executor and the simulator never need
+Ray. Ray prefixes every name with `ray_` and counters also get `_total`.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Mapping, Protocol
+
+from pp_runtime.batch import MicroBatch, SampledTokens
+from pp_runtime.config import Config
+from pp_runtime.request import Request
+from pp_runtime.telemetry.bubbles import StageAccumulator
+
+
+class Metric(str, Enum):
+    """Every series this runtime exports (Prometheus name: `ray_` + value, `_total` on counters)."""
+
+    STAGE_BUSY = "pp_runtime_stage_busy_seconds"  # computing micro-batches
+    STAGE_TRANSFER = "pp_runtime_stage_transfer_seconds"  # receiving activations already sent
+    STAGE_BUBBLE = "pp_runtime_stage_bubble_seconds"  # holding a micro-batch, input not sent yet
+    STAGE_IDLE = "pp_runtime_stage_idle_seconds"  # holding no micro-batch
+    STAGE_BUBBLE_FRACTION = "pp_runtime_stage_bubble_fraction"  # bubble / wall of this run
+    REQUEST_BUBBLE = "pp_runtime_request_bubble_seconds"  # per finished request
+    REQUEST_TTFT = "pp_runtime_request_ttft_seconds"  # arrival to first token
+    REQUEST_TBT = "pp_runtime_request_tbt_seconds"  # every gap between two tokens of a request
+    IN_FLIGHT = "pp_runtime_microbatches_in_flight"  # submitted, result not back yet
+    QUEUE_DEPTH = "pp_runtime_queue_depth"  # arrived requests waiting for a KV slot
+    MB_TOKENS = "pp_runtime_microbatch_tokens"  # per micro-batch; kind=prefill|decode
+
+
+class Kind(str, Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: Kind
+    description: str
+    tag_keys: tuple[str, ...]
+    boundaries: tuple[float, ...] = ()  # histogram bucket upper bounds
+
+
+_STAGE = ("deployment", "stage")
+_RUN = ("deployment",)
+# latency buckets in seconds: 1 ms .. 5 min, about 2.5x apart
+_LATENCY_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+              25.0, 60.0, 120.0, 300.0)
+_TBT_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
+          2.5, 5.0, 10.0)
+_TOKENS = tuple(float(2 ** i) for i in range(15))  # 1 .. 16384 tokens
+
+SPECS: dict[Metric, Spec] = {
+    Metric.STAGE_BUSY: Spec(Kind.COUNTER, "Seconds a pipeline stage spent computing", _STAGE),
+    Metric.STAGE_TRANSFER: Spec(Kind.COUNTER, "Seconds a stage spent receiving activations "
+                                "once the previous stage had sent them", _STAGE),
+    Metric.STAGE_BUBBLE: Spec(Kind.COUNTER, "Seconds a stage held a micro-batch whose input "
+                              "the previous stage had not sent yet (pipeline bubble)", _STAGE),
+    Metric.STAGE_IDLE: Spec(Kind.COUNTER, "Seconds a stage held no micro-batch", _STAGE),
+    Metric.STAGE_BUBBLE_FRACTION: Spec(Kind.GAUGE, "Bubble seconds / wall seconds of a stage "
+                                       "since its first micro-batch of the current run", _STAGE),
+    Metric.REQUEST_BUBBLE: Spec(Kind.HISTOGRAM, "Pipeline bubble seconds per finished request "
+                                "(bubbles before every micro-batch that carried it)", _RUN,
+                                _LATENCY_S),
+    Metric.REQUEST_TTFT: Spec(Kind.HISTOGRAM, "Seconds from arrival to first token, per "
+                              "finished request", _RUN, _LATENCY_S),
+    Metric.REQUEST_TBT: Spec(Kind.HISTOGRAM, "Seconds between consecutive tokens of a request "
+                             "(every gap, recorded when the request finishes)", _RUN, _TBT_S),
+    Metric.IN_FLIGHT: Spec(Kind.GAUGE, "Micro-batches submitted to the pipeline whose result "
+                           "is not back yet", _RUN),
+    Metric.QUEUE_DEPTH: Spec(Kind.GAUGE, "Requests that arrived and wait for a KV slot", _RUN),
+    Metric.MB_TOKENS: Spec(Kind.HISTOGRAM, "Tokens per micro-batch: prefill tokens "
+                           "(kind=prefill) and decodes (kind=decode)", _RUN + ("kind",), _TOKENS),
+}
+
+
+class Sink(Protocol):
+    """Where values go: one call per value, tags as strings."""
+
+    def record(self, metric: Metric, value: float, tags: Mapping[str, str]) -> None: ...
+
+
+class NullSink:
+    """Drops everything (no Ray running): the accounting still works, nothing is exported."""
+
+    def record(self, metric: Metric, value: float, tags: Mapping[str, str]) -> None:
+        pass
+
+
+class RaySink:
+    """A `ray.util.metrics` object for every `Metric`, made with the sink (one per run).
+
+    Ray keeps one instrument per name and node, shared by every object of that name; the
+    first registration's histogram boundaries win, so keep SPECS stable within a cluster.
+    """
+
+    def __init__(self):
+        from ray.util import metrics as rm
+
+        self._record: dict[Metric, Callable] = {}
+        for metric, spec in SPECS.items():
+            if spec.kind is Kind.COUNTER:
+                self._record[metric] = rm.Counter(metric.value, spec.description, spec.tag_keys).inc
+            elif spec.kind is Kind.GAUGE:
+                self._record[metric] = rm.Gauge(metric.value, spec.description, spec.tag_keys).set
+            else:
+                self._record[metric] = rm.Histogram(metric.value, spec.description,
+                                                    list(spec.boundaries), spec.tag_keys).observe
+
+    def record(self, metric: Metric, value: float, tags: Mapping[str, str]) -> None:
+        if value <= 0 and SPECS[metric].kind is Kind.COUNTER:
+            return  # Ray counters take only positive increments
+        self._record[metric](value, dict(tags))
+
+
+def default_sink() -> Sink:
+    """`RaySink` when this process is connected to Ray, else `NullSink` (Ray not imported)."""
+    ray = sys.modules.get("ray")  # never imported: certainly not running
+    if ray is not None and ray.is_initialized():
+        return RaySink()
+    return NullSink()
+
+
+def deployment_tag(cfg: Config) -> str:
+    """`deployment` tag value: model name and parallel shape, e.g. `tiny-gpt-tp1xpp2`."""
+    return f"{cfg.model.name}-tp{cfg.parallel.tp}xpp{cfg.parallel.pp}"
+
+
+class RuntimeMetrics:
+    """One run's live metrics. Feed it through `watch()` (executor) and `chain()` (callback).
+
+    `requests`: the run's requests by id (for TTFT and finishing); `queue_depth`: how many
+    arrived requests wait for admission right now; `clock`: the driver's clock.
+    """
+
+    def __init__(self, deployment: str, requests: Mapping[int, Request],
+                 clock: Callable[[], float], queue_depth: Callable[[], int] = lambda: 0,
+                 sink: Sink | None = None):
+        self.tags = {"deployment": deployment}
+        self.sink = sink if sink is not None else default_sink()
+        self.requests, self.clock, self.queue_depth = requests, clock, queue_depth
+        self.stages: dict[int, StageAccumulator] = {}
+        self.in_flight = 0
+        self._bubble_s: dict[int, float] = {}  # request id -> bubble so far (unfinished)
+        self._last_token_s: dict[int, float] = {}
+        self._gaps_s: dict[int, list[float]] = {}
+
+    @classmethod
+    def for_config(cls, cfg: Config, requests: Mapping[int, Request],
+                   clock: Callable[[], float], queue_depth: Callable[[], int] = lambda: 0,
+                   sink: Sink | None = None) -> "RuntimeMetrics":
+        return cls(deployment_tag(cfg), requests, clock, queue_depth, sink)
+
+    # ---- hooks into the driver loop ------------------------------------------------------
+    def watch(self, executor) -> "_Watched":
+        """The executor, counting micro-batches in flight as they are submitted and collected."""
+        return _Watched(executor, self)
+
+    def chain(self, on_microbatch: Callable[[MicroBatch, SampledTokens], None] | None = None):
+        """An `on_microbatch` callback that records, then calls `on_microbatch`."""
+        def callback(mb: MicroBatch, out: SampledTokens) -> None:
+            self.on_microbatch(mb, out)
+            if on_microbatch:
+                on_microbatch(mb, out)
+        return callback
+
+    def set_in_flight(self, n: int) -> None:
+        self.in_flight = n
+        self._record(Metric.IN_FLIGHT, n)
+        self._record(Metric.QUEUE_DEPTH, self.queue_depth())
+
+    # ---- one micro-batch ---------------------------------------------------------------
+    def on_microbatch(self, mb: MicroBatch, out: SampledTokens) -> None:
+        """Account the stages (bubble rule), the tokens, and every request it finished."""
+        mb_bubble = 0.0
+        for t in out.timings:
+            if t.tp_rank != 0:  # the ranks of a stage run in lock step
+                continue
+            acc = self.stages.get(t.stage)
+            if acc is None:
+                acc = self.stages[t.stage] = StageAccumulator(t.stage)
+            transfer, bubble, idle = acc.add(t)
+            mb_bubble += bubble
+            tags = {"stage": str(t.stage)}
+            self._record(Metric.STAGE_BUSY, t.compute_s, tags)
+            self._record(Metric.STAGE_TRANSFER, transfer, tags)
+            self._record(Metric.STAGE_BUBBLE, bubble, tags)
+            self._record(Metric.STAGE_IDLE, idle, tags)
+            wall = acc.wall_s
+            self._record(Metric.STAGE_BUBBLE_FRACTION, acc.bubble_s / wall if wall > 0 else 0.0, tags)
+        self._record(Metric.MB_TOKENS, mb.num_prefill_tokens, {"kind": "prefill"})
+        self._record(Metric.MB_TOKENS, mb.num_decodes, {"kind": "decode"})
+
+        now = self.clock()
+        rids = [s.request_id for s in mb.seqs]  # a request has at most one sequence in it
+        for rid in rids:
+            self._bubble_s[rid] = self._bubble_s.get(rid, 0.0) + mb_bubble
+        for rid in out.tokens:
+            if rid in self._last_token_s:
+                self._gaps_s.setdefault(rid, []).append(now - self._last_token_s[rid])
+            self._last_token_s[rid] = now
+        for rid in rids:
+            req = self.requests.get(rid)
+            if req is not None and req.finished:
+                self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        rid = req.request_id
+        self._record(Metric.REQUEST_BUBBLE, self._bubble_s.pop(rid, 0.0))
+        if req.first_token_s is not None:
+            self._record(Metric.REQUEST_TTFT, req.first_token_s - req.arrival_s)
+        for gap in self._gaps_s.pop(rid, ()):
+            self._record(Metric.REQUEST_TBT, gap)
+        self._last_token_s.pop(rid, None)
+
+    # ---- to the sink -------------------------------------------------------------------
+    def _record(self, metric: Metric, value: float, tags: Mapping[str, str] | None = None) -> None:
+        """Add to a counter, set a gauge or observe a histogram: the sink knows which."""
+        self.sink.record(metric, value, {**self.tags, **tags} if tags else self.tags)
+
+
+class _Watched:
+    """An executor wrapper that reports the number of micro-batches in flight."""
+
+    def __init__(self, executor, metrics: RuntimeMetrics):
+        self.executor, self.metrics = executor, metrics
+        self.name = executor.name
+
+    def submit(self, mb: MicroBatch) -> object:
+        handle = self.executor.submit(mb)
+        self.metrics.set_in_flight(self.metrics.in_flight + 1)
+        return handle
+
+    def wait(self, handle: object) -> SampledTokens:
+        try:
+            return self.executor.wait(handle)
+        finally:  # a failed micro-batch is not in flight any more either
+            self.metrics.set_in_flight(self.metrics.in_flight - 1)
