@@ -128,14 +128,20 @@ def cmd_run(args) -> int:
 
 def _run_config_workload(args) -> int:
     """`run --workload`: the config's workload section on the real runtime, like simulate."""
+    report = _workload_report(args, _run_to, "run", "ran")
+    return 1 if report["summary"]["finish_reasons"].get("error") else 0
+
+
+def _workload_report(args, to, kind: str, verb: str) -> dict:
+    """The config's workload through `to` (_simulate_to or _run_to); prints the summary."""
     from pp_runtime.telemetry.report import format_summary
 
     cfg = config_from_args(args.config, args)
-    out = Path(args.out or f"runs/run-{cfg.model.name}-{cfg.planner.planner}")
-    report = _run_to(cfg, out, not args.quiet)
+    out = Path(args.out or f"runs/{kind}-{cfg.model.name}-{cfg.planner.planner}")
+    report = to(cfg, out, not args.quiet)
     print(format_summary(report))
-    print(f"  ran in {report['summary']['run_wall_s']:.1f} s; reports and plots in {out}/")
-    return 1 if report["summary"]["finish_reasons"].get("error") else 0
+    print(f"  {verb} in {report['summary']['run_wall_s']:.1f} s; reports and plots in {out}/")
+    return report
 
 
 def kv_cache_bytes(cfg: Config) -> int:
@@ -187,13 +193,7 @@ def _run_to(cfg: Config, out: Path, progress: bool = True) -> dict:
 
 
 def cmd_simulate(args) -> int:
-    from pp_runtime.telemetry.report import format_summary
-
-    cfg = config_from_args(args.config, args)
-    out = Path(args.out or f"runs/simulate-{cfg.model.name}-{cfg.planner.planner}")
-    report = _simulate_to(cfg, out, not args.quiet)
-    print(format_summary(report))
-    print(f"  simulated in {report['summary']['run_wall_s']:.1f} s; reports and plots in {out}/")
+    _workload_report(args, _simulate_to, "simulate", "simulated")
     return 0
 
 

@@ -6,13 +6,10 @@ the round trip is written. The processes are always reaped, also on failure.
 """
 from __future__ import annotations
 
-import os
 import queue
-import socket
 import statistics
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +19,7 @@ from tqdm import tqdm
 
 from pp_runtime.config import Config
 from pp_runtime.device import dist_backend, now, torch_dtype
+from pp_runtime.parallel.groups import DistSpec, free_port, init_distributed
 
 if TYPE_CHECKING:
     from pp_runtime.costmodel.measure import Effort, ProfileGrid
@@ -30,9 +28,7 @@ P2P_START_S = 120.0  # the two send/recv processes must start and report within 
 P2P_JOIN_S = 20.0  # then they must exit within this, or they are terminated
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))  # the only address any process of the profile uses
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")  # the only address any process of the profile uses
 
 
 @dataclass(frozen=True)
@@ -64,22 +60,8 @@ def _p2p_job(cfg: Config, device: torch.device, grid: ProfileGrid,
 
 
 def _join_group(rank: int, job: _P2PJob) -> None:
-    """A 2-process group whose every socket is on 127.0.0.1: rank 0's store listens on a
-    socket bound there (`init_method="tcp://..."` would listen on all interfaces), and
-    gloo / NCCL use the loopback interface."""
-    loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
-    if loopback:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback[0])
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback[0])
-    timeout, listen_fd = timedelta(seconds=P2P_START_S), None
-    if rank == 0:
-        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", job.port))
-        server.listen()
-        listen_fd = server.detach()  # the store owns it from here
-    store = dist.TCPStore("127.0.0.1", job.port, 2, rank == 0, timeout, master_listen_fd=listen_fd)
-    dist.init_process_group(job.backend, store=store, rank=rank, world_size=2, timeout=timeout)
+    """A 2-process group whose every socket is on 127.0.0.1 (see parallel/groups.py)."""
+    init_distributed(DistSpec("127.0.0.1", job.port, 1, 2, job.backend, P2P_START_S), rank)
 
 
 def _send_recv_child(rank: int, job: _P2PJob, results) -> None:
