@@ -116,8 +116,7 @@ class RayExecutor:
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=stage)
             for r in range(self.tp):
                 self.actors.append(actor_cls.options(
-                    num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy,
-                    name=None).remote(cfg, stage, r, ckpt))
+                    num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy).remote(cfg, stage, r, ckpt))
         local = rt.ray_address is None
         addr, port = self._gather([self.actors[0].rendezvous_address.remote(local)],
                                   rt.startup_timeout_s, "finding a rendezvous address")[0]
