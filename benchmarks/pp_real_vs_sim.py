@@ -28,6 +28,39 @@ from pp_runtime.simulate import simulate  # noqa: E402
 from pp_runtime.telemetry.report import format_summary, write_report  # noqa: E402
 
 
+def isolated_check(cfg, profile: Path) -> None:
+    """One stage at a time in this process (no other stage, no driver, no Ray beside it):
+    the real StageWorker.execute against the cost model's price of the same micro-batch."""
+    import statistics
+    import time
+
+    import torch
+
+    from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+    from pp_runtime.costmodel import build_cost_model
+    from pp_runtime.worker import StageWorker
+
+    cost = build_cost_model(cfg.with_overrides(**{"hardware.profile": str(profile)}))
+    local = cfg.with_overrides(executor="local")
+    workers = [StageWorker(local, s, torch.device("cpu")) for s in range(cfg.parallel.pp)]
+    sampling, kv = Sampling(0.0, 1.0, 0), 400
+    decodes = tuple(SeqChunk(i, i, kv, (1,), sampling, True) for i in range(7))
+    chunk = SeqChunk(7, 7, 256, tuple(range(249)), None)
+    for name, mb, prefills in (("7 decodes at KV 401", MicroBatch(0, decodes), []),
+                               ("chunk 249 + 7 decodes", MicroBatch(0, decodes + (chunk,)), [(256, 249)])):
+        priced = cost.stage_times(prefills, [kv + 1] * len(decodes))
+        for s, w in enumerate(workers):
+            x = None if s == 0 else torch.randn(mb.num_tokens, cfg.model.hidden_size)
+            times = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                w.execute(mb, x)
+                times.append(time.perf_counter() - t0)
+            real = statistics.median(times)
+            print(f"isolated stage {s}, {name}: real {real * 1e3:.1f} ms, simulated "
+                  f"{priced[s] * 1e3:.1f} ms ({priced[s] / real - 1:+.1%})")
+
+
 def row(name: str, s: dict) -> str:
     b = s["bubble_per_request_s"]["median"]
     return (f"{name:<18}{s['makespan_s']:>10.2f}{s['throughput_tok_s']:>10.0f}"
@@ -47,6 +80,7 @@ def main() -> None:
     torch.set_num_threads(cfg.runtime.threads_per_worker or 1)  # as each stage worker runs
     profile = measure_profile(cfg, out / "profile", quick=args.quick_profile, progress=False)
     print(f"profile of this machine in {profile}/")
+    isolated_check(cfg, profile)
     results = {}
     for planner in ("sarathi", "orca-best"):
         c = cfg.with_overrides(planner=planner)
