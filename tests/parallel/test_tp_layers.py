@@ -29,6 +29,8 @@ from pp_runtime.model.attention import BatchLayout
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.loader import load_stage_weights, model_config_from_hf, read_hf_config
 from pp_runtime.model.transformer import StageModel
+from pp_runtime.costmodel.p2p import _reap
+from pp_runtime.parallel.groups import free_port
 from pp_runtime.parallel.layers import Shard, Unsharded, shard_of
 
 TP = 2
@@ -184,27 +186,10 @@ def _child(rank: int, port: int, jobs: list[Job], results) -> None:
 
 
 # ---- the parent ---------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _reap(procs: list, grace_s: float) -> None:
-    for p in (p for p in procs if p.pid is not None):
-        p.join(timeout=grace_s)
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
 def run_ranks(jobs: list[Job]) -> dict[tuple[int, str], dict]:
     """(rank, job name) -> what that rank reported; raises if a rank fails or goes quiet."""
     ctx = torch.multiprocessing.get_context("spawn")
-    results, port = ctx.Queue(), _free_port()
+    results, port = ctx.Queue(), free_port("127.0.0.1")
     procs = [ctx.Process(target=_child, args=(rank, port, jobs, results), daemon=True)
              for rank in range(TP)]
     out, done = {}, set()
