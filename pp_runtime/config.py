@@ -98,6 +98,14 @@ class ParallelConfig:
     #              each request to the least-loaded one)
 
 
+def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """Layers [lo, hi) of a pipeline stage: as even as possible, earlier stages take the
+    remainder."""
+    base, extra = divmod(num_layers, pp)
+    lo = stage * base + min(stage, extra)
+    return lo, lo + base + (1 if stage < extra else 0)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     kv_slots: int | None = None  # requests whose KV fits at once; None = pp * max_batch_size

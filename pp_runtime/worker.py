@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from pp_runtime.batch import MicroBatch, SampledTokens, StageTiming
-from pp_runtime.config import Config
+from pp_runtime.config import Config, stage_layers
 from pp_runtime.device import now, torch_dtype
 from pp_runtime.model.attention import BatchLayout
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.loader import load_stage_weights
-from pp_runtime.model.transformer import StageModel, stage_layers
+from pp_runtime.model.transformer import StageModel
 from pp_runtime.parallel.groups import StageGroups
 from pp_runtime.parallel.layers import TensorParallel, Unsharded
 from pp_runtime.parallel.p2p import StageLink

@@ -18,20 +18,12 @@ from typing import Sequence
 
 import numpy as np
 
-from pp_runtime.config import Config
+from pp_runtime.config import Config, stage_layers
 from pp_runtime.costmodel.devices import device_spec
 from pp_runtime.costmodel.network import all_reduce, gather, send
 from pp_runtime.costmodel.pricing import (Priced, Pricing, Target, attention, layer_ops,
                                           linear_sources, load_profile, price_op)
 from pp_runtime.costmodel.roofline import LayerShape
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
-    """Layers [lo, hi) of a stage (as pp_runtime.model.transformer.stage_layers, which
-    imports torch): as even as possible, earlier stages take the remainder."""
-    base, extra = divmod(num_layers, pp)
-    lo = stage * base + min(stage, extra)
-    return lo, lo + base + (1 if stage < extra else 0)
 
 
 def build_pricing(cfg: Config) -> Pricing:

@@ -30,12 +30,6 @@ from pp_runtime.model.attention import BatchLayout, hybrid_attention, rope
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.parallel.layers import Parallel, Unsharded, shard_of
 
-def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
-    """Layers [lo, hi) of a stage: as even as possible, earlier stages take the remainder."""
-    base, extra = divmod(num_layers, pp)
-    lo = stage * base + min(stage, extra)
-    return lo, lo + base + (1 if stage < extra else 0)
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
