@@ -41,6 +41,9 @@ class SeqChunk:
 class MicroBatch:
     mb_id: int
     seqs: tuple[SeqChunk, ...]
+    # set by the driver: seconds just before this micro-batch with no arrived, unfinished
+    # request anywhere (a duration, so every stage can use it on its own clock; bubbles.md)
+    idle_before_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -71,10 +74,11 @@ class StageTiming:
     mb_id: int
     stage: int
     tp_rank: int
-    wait_s: float  # waiting for the previous stage's activations (a bubble, not transfer)
+    wait_s: float  # holding the call, waiting for the previous stage's activations (upstream)
     transfer_s: float  # moving the activations once they were ready
     compute_start_s: float
     compute_end_s: float
+    send_wait_s: float = 0.0  # after computing: blocked until the next stage took the send (downstream)
 
     @property
     def compute_s(self) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Protocol
 
 from pp_runtime.batch import MicroBatch, SampledTokens
@@ -37,24 +38,67 @@ def run(planner: Planner, executor: Executor, depth: int,
         clock: Callable[[], float] = time.perf_counter,
         on_microbatch: OnMicroBatch | None = None,
         sleep: Callable[[float], None] = time.sleep) -> None:
-    """Run until the planner has no work left. On an executor error, end every
-    unfinished request with finish reason `error` and raise ExecutorFailed."""
+    """Run until the planner has no work left.
+
+    With nothing in flight and nothing arrived, sleep until the next arrival; that stretch,
+    from the last result to the arrival, is the system's idle time, handed to the stages'
+    bubble accounting as `idle_before_s` of the next micro-batch (a duration: every stage
+    can use it on its own clock). On an executor error, end every unfinished request with
+    finish reason `error` and raise ExecutorFailed. Any other error (a planner or callback
+    bug) drains the micro-batches in flight, ends the unfinished requests the same way and
+    propagates unchanged: the executor stays usable.
+    """
     in_flight: deque[tuple[MicroBatch, object]] = deque()
+    quiet_since = clock()  # when the last result came back (the run's start before any)
+    idle_until: float | None = None  # the arrival the driver last slept for
+    now = quiet_since
     try:
         while planner.has_work():
-            while len(in_flight) < depth and (mb := planner.schedule(clock())) is not None:
-                in_flight.append((mb, executor.submit(mb)))
+            while len(in_flight) < depth:
+                now = clock()  # one reading per decision: what schedule() saw is what counts
+                mb = planner.schedule(now)
+                if mb is None:
+                    break
+                if idle_until is not None:
+                    mb = replace(mb, idle_before_s=max(0.0, idle_until - quiet_since))
+                    idle_until = None
+                in_flight.append((mb, _executor_call(executor.submit, mb)))
             if not in_flight:
                 arrival = planner.next_arrival_s()
-                if arrival is None or arrival <= clock():
-                    raise RuntimeError("planner has work but scheduled nothing")
-                sleep(arrival - clock())  # idle until the next request arrives
+                if arrival is None or arrival <= now:
+                    raise RuntimeError(f"planner has work but scheduled nothing at {now} "
+                                       f"(next arrival {arrival})")
+                idle_until = arrival
+                sleep(max(0.0, arrival - clock()))  # idle until the next request arrives
                 continue
             mb, handle = in_flight.popleft()
-            out = executor.wait(handle)
-            planner.on_result(mb, out, clock())
+            out = _executor_call(executor.wait, handle)
+            quiet_since = clock()
+            planner.on_result(mb, out, quiet_since)
             if on_microbatch:
                 on_microbatch(mb, out)
-    except Exception as exc:
+    except ExecutorFailed:
         planner.abort_all(FinishReason.ERROR, clock())
+        raise
+    except Exception:
+        _drain(executor, in_flight)
+        planner.abort_all(FinishReason.ERROR, clock())
+        raise
+
+
+def _executor_call(fn: Callable, arg: object):
+    """An executor call; whatever it raises becomes ExecutorFailed."""
+    try:
+        return fn(arg)
+    except Exception as exc:
         raise ExecutorFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _drain(executor: Executor, in_flight: deque) -> None:
+    """Collect (and drop) the results still in flight, so the executor can run again."""
+    while in_flight:
+        _, handle = in_flight.popleft()
+        try:
+            executor.wait(handle)
+        except Exception:  # the error being raised matters more than this one
+            return

@@ -6,7 +6,8 @@ in memory from the in-process executor (`x`), or over torch.distributed when the
 has process groups (each TP rank receives its 1/tp slice from the same TP rank of the
 previous stage and all-gathers it, `parallel/p2p.py`). The last stage computes logits only
 for the rows that sample, gathers them over the vocabulary and samples (TP rank 0 returns
-the token ids). Each call records a `StageTiming`: wait, transfer, compute.
+the token ids). Each call records a `StageTiming`: wait, transfer, compute, and the
+time blocked before its send (the next stage had not taken the previous one).
 """
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ class StageWorker:
                 tokens = {s.request_id: t for s, t in zip(seqs, ids)}
             out = SampledTokens(mb.mb_id, tokens)
         end = now(self.device)
+        send_wait_s = 0.0
         if self.link is not None and not self.is_last:
-            self.link.send(mb, hidden)
-        return out, StageTiming(mb.mb_id, self.stage, self.tp_rank, wait_s, transfer_s, start, end)
+            send_wait_s = self.link.send(mb, hidden)
+        return out, StageTiming(mb.mb_id, self.stage, self.tp_rank, wait_s, transfer_s, start, end,
+                                send_wait_s)

@@ -1,19 +1,23 @@
 """The simulated executor: the pipeline on a virtual clock, priced by a cost model. No torch.
 
 It has the interface of the real executors (`submit` a micro-batch, `wait` for its sampled
-tokens), so the planner and the driver loop are the ones real deployments run. The rule
-for one micro-batch submitted at virtual time `now`:
+tokens), so the planner and the driver loop are the ones real deployments run. A stage
+behaves as a real stage worker does (worker.py, parallel/p2p.py): it takes calls in order,
+receives, computes, then waits until the next stage took its previous send before posting
+this one (one send outstanding; gloo and NCCL sends complete when the receiver receives).
+For one micro-batch submitted at virtual time `now`, stage by stage:
 
-  stage 0 takes it when it is free:       start_0 = max(free_0, now)
-  stage s takes the call when it is free  take_s  = max(free_s, now)
-  and computes once the activations of stage s-1 arrived:
-                                          start_s = max(take_s, end_{s-1}) + send(s)
-  wait_s = max(0, end_{s-1} - take_s)  (a bubble), transfer = send(s), end_s = start_s + cost_s
+  take_s   = max(free_s, now)                          stage s takes the call
+  posted_0 = ... ; wait_s = max(0, posted_{s-1} - take_s)        upstream (s > 0)
+  start_s  = max(take_s, posted_{s-1}) + send(s)       after the transfer (s > 0)
+  end_s    = start_s + cost_s
+  block_s  = max(0, received_{s+1} - end_s)            downstream: the next stage received
+                                                       the previous micro-batch at its start
+  posted_s = free_s = end_s + block_s
 
-Sends do not block the sender (the link, not the GPU, moves the activations). The last
-stage returns one synthetic token (0) per sampling sequence: a request stops at the
-output length its workload gave it (`max_tokens`, EOS ignored). `wait` advances the clock
-to the end of the micro-batch on the last stage, when the driver would get its result.
+The last stage returns one synthetic token (0) per sampling sequence: a request stops at
+the output length its workload gave it (`max_tokens`, EOS ignored). `wait` advances the
+clock to the end of the micro-batch on the last stage, when the driver would get its result.
 """
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ class SimExecutor:
 
     def __init__(self, cost: StageCost, pp: int, clock: VirtualClock):
         self.cost, self.clock = cost, clock
-        self.free = [0.0] * pp  # when each stage finishes the last micro-batch it took
+        self.free = [0.0] * pp  # when each stage ends its last call (compute + send wait)
+        self.received = [0.0] * pp  # when each stage finished receiving its last micro-batch
         self._done: dict[int, tuple[float, SampledTokens]] = {}
 
     def submit(self, mb: MicroBatch) -> int:
@@ -61,20 +66,25 @@ class SimExecutor:
                 prefills.append((s.start, len(s.token_ids)))
             if s.sampling is not None:
                 sampled[s.request_id] = 0
-        now, free, timings = self.clock.now, self.free, []
-        num_tokens, end = sum(n for _, n in prefills) + len(decodes), 0.0
-        for stage, compute in enumerate(self.cost.stage_times(prefills, decodes)):
+        now, free, received, timings = self.clock.now, self.free, self.received, []
+        num_tokens, posted, end = sum(n for _, n in prefills) + len(decodes), 0.0, 0.0
+        costs = self.cost.stage_times(prefills, decodes)
+        last = len(costs) - 1
+        for stage, compute in enumerate(costs):
             take = free[stage] if free[stage] > now else now
             if stage == 0:
                 wait = transfer = 0.0
                 start = take
             else:
-                wait = end - take if end > take else 0.0
+                wait = posted - take if posted > take else 0.0
                 transfer = self.cost.send_time(num_tokens, stage)
-                start = (end if end > take else take) + transfer
+                start = (posted if posted > take else take) + transfer
             end = start + compute
-            free[stage] = end
-            timings.append(StageTiming(mb.mb_id, stage, 0, wait, transfer, start, end))
+            nxt = received[stage + 1] if stage < last else 0.0
+            block = nxt - end if nxt > end else 0.0
+            posted = free[stage] = end + block
+            received[stage] = start
+            timings.append(StageTiming(mb.mb_id, stage, 0, wait, transfer, start, end, block))
         self._done[mb.mb_id] = (end, SampledTokens(mb.mb_id, sampled, tuple(timings)))
         return mb.mb_id
 

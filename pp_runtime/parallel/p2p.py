@@ -8,7 +8,8 @@ their buffers from the micro-batch (T tokens), so no shape message is needed.
 A one-element header (the micro-batch id) goes first: the time until it arrives is the
 wait for the previous stage (a bubble), the time from it to the gathered activations is
 the transfer. A blocking receive alone would mix the two. The header also checks that
-both sides agree on which micro-batch this is.
+both sides agree on which micro-batch this is. On the sending side, the time blocked until
+the next stage took the previous send is back-pressure (`send` returns it).
 """
 from __future__ import annotations
 
@@ -45,16 +46,22 @@ class StageLink:
             x = part
         return x, t1 - t0, now(self.device) - t1
 
-    def send(self, mb: MicroBatch, hidden: torch.Tensor) -> None:
-        """Send this rank's slice of hidden [T, hidden] onward without waiting for it."""
+    def send(self, mb: MicroBatch, hidden: torch.Tensor) -> float:
+        """Send this rank's slice of hidden [T, hidden] onward without waiting for it to be
+        taken. One send may be outstanding: first wait until the previous micro-batch's send
+        was taken (gloo and NCCL sends complete only when the receiver posts its receive).
+        Returns the seconds blocked on that: back-pressure from the next stage."""
+        t0 = now(self.device)
         self.flush()
+        blocked = now(self.device) - t0
         part = hidden.narrow(1, self.g.tp_rank * self.width, self.width).contiguous()  # [T, hidden / tp]
         header = torch.tensor([mb.mb_id], dtype=torch.long, device=self.device)
         for t in (header, part):
             self._pending.append((dist.isend(t, dst=self.g.next_rank), t))
+        return blocked
 
     def flush(self) -> None:
-        """Wait until earlier sends have left (their buffers may then be freed)."""
+        """Wait until earlier sends have been taken (their buffers may then be freed)."""
         for work, _ in self._pending:
             work.wait()
         self._pending = []

@@ -1,117 +1,177 @@
-"""Bubble accounting: one rule for real and simulated runs (see docs/bubbles.md).
+"""Bubble accounting by cause: one rule for real and simulated runs (docs/bubbles.md).
 
-Input: `StageTiming` records (one per micro-batch per stage, TP rank 0) and which requests
-each micro-batch carried. Every stage's timeline is cut into four kinds of time that add
-up to the stage's wall time:
+Input: `StageTiming` records (one per micro-batch per stage, TP rank 0), which requests each
+micro-batch carried, and how long the system was idle before each micro-batch (the driver's
+`MicroBatch.idle_before_s`). Every stage's wall time is cut into parts that add up exactly:
 
-  busy      computing a micro-batch
-  transfer  receiving its activations once they were on their way
-  bubble    holding a micro-batch whose input the previous stage had not sent yet
-  idle      holding no micro-batch at all (the planner had nothing to give)
+  busy        computing a micro-batch
+  transfer    receiving its activations once they were on their way
+  upstream    holding a micro-batch whose input the previous stage has not sent   } bubble,
+  downstream  computed, blocked until the next stage takes the send (back-pressure) } by
+  dependency  holding nothing while arrived requests are unfinished (all in flight) } cause
+  idle        holding nothing, no arrived unfinished request anywhere (not a bubble)
 
-Only differences of one stage's own clock are used, so stages on different nodes need no
-common clock. A micro-batch's bubble is the bubble before it on every stage; a request's
-bubble is the sum over the micro-batches that carried it (paper §5.3).
+One call of micro-batch k on a stage runs, on that stage's clock:
+
+  ... prev compute end | prev send_wait | holding nothing | wait | transfer | compute k | send_wait ...
+                         downstream       dependency/idle   upstream
+
+The holding-nothing part is idle up to the driver's idle time before k (a duration: the
+pipeline was empty then, so it lies inside every stage's gap) and dependency beyond it. Only
+differences of one stage's own clock are used, so stages on different nodes need no common
+clock. A micro-batch is charged the upstream wait before it and the downstream block after
+it, on every stage; a request the sum over the micro-batches that carried it (paper §5.3).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from pp_runtime.batch import StageTiming
+
+CAUSES = ("upstream", "downstream", "dependency")  # the bubble causes, in report order
+EPS = 1e-9  # clock rounding tolerated between a stage's consecutive calls
+
+
+class Split(NamedTuple):
+    """How one stage spent one call of a micro-batch (seconds)."""
+
+    transfer: float  # before the compute
+    upstream: float  # before the compute
+    dependency: float  # before the compute (holding nothing, requests unfinished)
+    idle: float  # before the compute (holding nothing, nothing to do)
+    downstream: float  # after the compute
+    busy: float
+
+    @property
+    def charged(self) -> float:
+        """The bubble charged to the micro-batch itself: it existed and was held up."""
+        return self.upstream + self.downstream
 
 
 @dataclass(frozen=True)
 class StageStats:
     stage: int
-    wall_s: float  # from the stage's start to its last compute end
+    wall_s: float  # from the stage's start to the end of its last call
     busy_s: float
     transfer_s: float
-    bubble_s: float
+    upstream_s: float
+    downstream_s: float
+    dependency_s: float
     idle_s: float
     num_microbatches: int
+
+    @property
+    def bubble_by_cause_s(self) -> dict[str, float]:
+        return {"upstream": self.upstream_s, "downstream": self.downstream_s,
+                "dependency": self.dependency_s}
+
+    @property
+    def bubble_s(self) -> float:
+        return self.upstream_s + self.downstream_s + self.dependency_s
 
 
 @dataclass(frozen=True)
 class BubbleReport:
     per_stage: list[StageStats]
-    mb_bubble_s: dict[int, float]  # micro-batch id -> bubble before it, all stages
+    mb_bubble_s: dict[int, float]  # micro-batch id -> bubble charged to it, all stages
     request_bubble_s: dict[int, float] = field(default_factory=dict)  # request id -> bubble
 
     @property
     def bubble_fraction(self) -> float:
         """Bubble time / wall time, summed over stages."""
-        wall = sum(s.wall_s for s in self.per_stage)
-        return sum(s.bubble_s for s in self.per_stage) / wall if wall > 0 else 0.0
+        return sum(self.bubble_fraction_by_cause.values())
+
+    @property
+    def bubble_fraction_by_cause(self) -> dict[str, float]:
+        return fractions_by_cause(self.per_stage)
+
+
+def fractions_by_cause(per_stage: Sequence[StageStats]) -> dict[str, float]:
+    """Each cause's time / wall time, summed over stages."""
+    wall = sum(s.wall_s for s in per_stage)
+    return {c: (sum(s.bubble_by_cause_s[c] for s in per_stage) / wall if wall > 0 else 0.0)
+            for c in CAUSES}
 
 
 class StageAccumulator:
     """The rule for one stage, applied one `StageTiming` at a time (in compute order).
 
-    The gap between the previous compute end (or the stage's start) and this compute
-    start is split first into transfer (at most `transfer_s`), then bubble (at most
-    `wait_s`), and the rest is idle. `account()` runs it over a finished run;
-    `telemetry.metrics` runs it online, as each micro-batch comes back.
+    `account()` runs it over a finished run; the run recorder and the live Ray metrics run
+    it as each micro-batch comes back, so all three give the same numbers.
     """
 
-    __slots__ = ("stage", "start_s", "prev_end_s", "busy_s", "transfer_s", "bubble_s", "idle_s",
-                 "num_microbatches")
+    __slots__ = ("stage", "start_s", "prev_end_s", "busy_s", "transfer_s", "upstream_s",
+                 "downstream_s", "dependency_s", "idle_s", "num_microbatches")
 
     def __init__(self, stage: int, start_s: float | None = None):
         self.stage = stage
         self.start_s = start_s  # the stage's start on its own clock; None: its first call
-        self.prev_end_s = start_s
-        self.busy_s = self.transfer_s = self.bubble_s = self.idle_s = 0.0
+        self.prev_end_s = start_s  # end of the previous call (its compute end + send wait)
+        self.busy_s = self.transfer_s = self.upstream_s = self.downstream_s = 0.0
+        self.dependency_s = self.idle_s = 0.0
         self.num_microbatches = 0
 
-    def add(self, t: StageTiming) -> tuple[float, float, float]:
-        """Account one micro-batch; returns its (transfer, bubble, idle) seconds before it."""
+    def add(self, t: StageTiming, idle_before_s: float = 0.0) -> Split:
+        """Account one micro-batch's call; `idle_before_s` is the driver's idle time just
+        before the micro-batch was submitted."""
         if self.start_s is None:  # the stage started when it took its first call
             self.start_s = self.prev_end_s = t.compute_start_s - t.wait_s - t.transfer_s
-        if t.compute_start_s < self.prev_end_s - 1e-9:
-            raise ValueError(f"stage {self.stage}: micro-batch {t.mb_id} starts at {t.compute_start_s} "
-                             f"before the previous one ended at {self.prev_end_s}")
         gap = t.compute_start_s - self.prev_end_s
-        t_transfer = min(t.transfer_s, gap)
-        t_bubble = min(t.wait_s, gap - t_transfer)
-        t_idle = gap - t_transfer - t_bubble
-        self.transfer_s += t_transfer
-        self.bubble_s += t_bubble
-        self.idle_s += t_idle
-        self.busy_s += t.compute_s
+        if gap < -EPS:
+            raise ValueError(f"stage {self.stage}: micro-batch {t.mb_id} starts at {t.compute_start_s} "
+                             f"before the previous call ended at {self.prev_end_s}")
+        gap = max(gap, 0.0)
+        transfer = min(t.transfer_s, gap)
+        upstream = min(t.wait_s, gap - transfer)
+        empty = gap - transfer - upstream  # holding no micro-batch
+        idle = min(idle_before_s, empty)
+        split = Split(transfer, upstream, empty - idle, idle, t.send_wait_s, t.compute_s)
+        self.transfer_s += transfer
+        self.upstream_s += upstream
+        self.dependency_s += split.dependency
+        self.idle_s += idle
+        self.busy_s += split.busy
+        self.downstream_s += split.downstream
         self.num_microbatches += 1
-        self.prev_end_s = t.compute_end_s
-        return t_transfer, t_bubble, t_idle
+        self.prev_end_s = t.compute_end_s + t.send_wait_s
+        return split
 
     @property
     def wall_s(self) -> float:
-        """From the stage's start to its last compute end (0 before the first record)."""
+        """From the stage's start to the end of its last call (0 before the first record)."""
         return 0.0 if self.start_s is None else self.prev_end_s - self.start_s
 
+    @property
+    def bubble_s(self) -> float:
+        return self.upstream_s + self.downstream_s + self.dependency_s
+
     def stats(self) -> StageStats:
-        return StageStats(self.stage, self.wall_s, self.busy_s, self.transfer_s, self.bubble_s,
-                          self.idle_s, self.num_microbatches)
+        return StageStats(self.stage, self.wall_s, self.busy_s, self.transfer_s, self.upstream_s,
+                          self.downstream_s, self.dependency_s, self.idle_s, self.num_microbatches)
 
 
 def account(timings: Iterable[StageTiming],
             mb_requests: Mapping[int, Sequence[int]] | None = None,
-            stage_start_s: Mapping[int, float] | None = None) -> BubbleReport:
-    """Split every stage's time into busy / transfer / bubble / idle (`StageAccumulator`).
+            stage_start_s: Mapping[int, float] | None = None,
+            idle_before_s: Mapping[int, float] | None = None) -> BubbleReport:
+    """Split every stage's time by the rule (`StageAccumulator`), over a finished run.
 
-    `stage_start_s`: when each stage began the run, on its own clock (default: when it got
-    its first micro-batch, so nothing before counts). Only TP rank 0 is counted: the ranks
-    of a stage run in lock step.
+    `stage_start_s`: when each stage began the run, on its own clock (default: when it took
+    its first call). `idle_before_s`: micro-batch id -> the driver's idle time before it.
+    Only TP rank 0 is counted: the ranks of a stage run in lock step.
     """
     by_stage: dict[int, list[StageTiming]] = defaultdict(list)
     for t in timings:
         if t.tp_rank == 0:
             by_stage[t.stage].append(t)
+    idle = idle_before_s or {}
     per_stage, mb_bubble = [], defaultdict(float)
     for stage in sorted(by_stage):
         acc = StageAccumulator(stage, (stage_start_s or {}).get(stage))
         for t in sorted(by_stage[stage], key=lambda t: t.compute_start_s):
-            mb_bubble[t.mb_id] += acc.add(t)[1]
+            mb_bubble[t.mb_id] += acc.add(t, idle.get(t.mb_id, 0.0)).charged
         per_stage.append(acc.stats())
     request_bubble: dict[int, float] = defaultdict(float)
     for mb_id, rids in (mb_requests or {}).items():

@@ -3,8 +3,8 @@
 A `RuntimeMetrics` is made per run (one `generate` call) and fed by the driver loop's own
 hooks: it wraps the executor (`submit` / `wait` count the micro-batches in flight) and
 chains the `on_microbatch` callback. Per micro-batch it applies the bubble rule online
-with the same `StageAccumulator` that `bubbles.account()` runs after the fact, so the
-live per-stage numbers equal the report's. Per-request numbers (bubble, TTFT, time between
+with the same `StageAccumulator` that `bubbles.account()` and the run recorder use, so the
+live per-stage numbers, bubble by cause included, equal the report's. Per-request numbers (bubble, TTFT, time between
 tokens) are recorded when the request finishes.
 
 Values go to a `Sink`: `RaySink` (`ray.util.metrics`, imported only here and only when Ray
@@ -29,9 +29,10 @@ class Metric(str, Enum):
 
     STAGE_BUSY = "pp_runtime_stage_busy_seconds"  # computing micro-batches
     STAGE_TRANSFER = "pp_runtime_stage_transfer_seconds"  # receiving activations already sent
-    STAGE_BUBBLE = "pp_runtime_stage_bubble_seconds"  # holding a micro-batch, input not sent yet
-    STAGE_IDLE = "pp_runtime_stage_idle_seconds"  # holding no micro-batch
-    STAGE_BUBBLE_FRACTION = "pp_runtime_stage_bubble_fraction"  # bubble / wall of this run
+    STAGE_BUBBLE = "pp_runtime_stage_bubble_seconds"  # a bubble, tag cause=upstream|downstream|dependency
+    STAGE_IDLE = "pp_runtime_stage_idle_seconds"  # no arrived, unfinished request anywhere
+    STAGE_WALL = "pp_runtime_stage_wall_seconds"  # all of the above and busy: the denominator
+    STAGE_BUBBLE_FRACTION = "pp_runtime_stage_bubble_fraction"  # by cause, / wall of this run
     REQUEST_BUBBLE = "pp_runtime_request_bubble_seconds"  # per finished request
     REQUEST_TTFT = "pp_runtime_request_ttft_seconds"  # arrival to first token
     REQUEST_TBT = "pp_runtime_request_tbt_seconds"  # every gap between two tokens of a request
@@ -55,6 +56,7 @@ class Spec:
 
 
 _STAGE = ("deployment", "stage")
+_CAUSE = ("deployment", "stage", "cause")
 _RUN = ("deployment",)
 # latency buckets in seconds: 1 ms .. 5 min, about 2.5x apart
 _LATENCY_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -67,13 +69,17 @@ SPECS: dict[Metric, Spec] = {
     Metric.STAGE_BUSY: Spec(Kind.COUNTER, "Seconds a pipeline stage spent computing", _STAGE),
     Metric.STAGE_TRANSFER: Spec(Kind.COUNTER, "Seconds a stage spent receiving activations "
                                 "once the previous stage had sent them", _STAGE),
-    Metric.STAGE_BUBBLE: Spec(Kind.COUNTER, "Seconds a stage held a micro-batch whose input "
-                              "the previous stage had not sent yet (pipeline bubble)", _STAGE),
-    Metric.STAGE_IDLE: Spec(Kind.COUNTER, "Seconds a stage held no micro-batch", _STAGE),
-    Metric.STAGE_BUBBLE_FRACTION: Spec(Kind.GAUGE, "Bubble seconds / wall seconds of a stage "
-                                       "since its first micro-batch of the current run", _STAGE),
+    Metric.STAGE_BUBBLE: Spec(Kind.COUNTER, "Pipeline bubble seconds of a stage by cause: "
+                              "upstream (input not sent yet), downstream (send not taken yet), "
+                              "dependency (holding nothing while requests are unfinished)", _CAUSE),
+    Metric.STAGE_IDLE: Spec(Kind.COUNTER, "Seconds a stage held nothing and no arrived request "
+                            "was unfinished (not a bubble)", _STAGE),
+    Metric.STAGE_WALL: Spec(Kind.COUNTER, "Wall seconds of a stage (busy + transfer + bubble + "
+                            "idle): the denominator of bubble shares", _STAGE),
+    Metric.STAGE_BUBBLE_FRACTION: Spec(Kind.GAUGE, "Bubble seconds of a cause / wall seconds of a "
+                                       "stage since its first micro-batch of the current run", _CAUSE),
     Metric.REQUEST_BUBBLE: Spec(Kind.HISTOGRAM, "Pipeline bubble seconds per finished request "
-                                "(bubbles before every micro-batch that carried it)", _RUN,
+                                "(upstream and downstream bubbles of every micro-batch that carried it)", _RUN,
                                 _LATENCY_S),
     Metric.REQUEST_TTFT: Spec(Kind.HISTOGRAM, "Seconds from arrival to first token, per "
                               "finished request", _RUN, _LATENCY_S),
@@ -192,15 +198,19 @@ class RuntimeMetrics:
             acc = self.stages.get(t.stage)
             if acc is None:
                 acc = self.stages[t.stage] = StageAccumulator(t.stage)
-            transfer, bubble, idle = acc.add(t)
-            mb_bubble += bubble
+            wall_before = acc.wall_s
+            split = acc.add(t, mb.idle_before_s)
+            mb_bubble += split.charged
             tags = {"stage": str(t.stage)}
-            self._record(Metric.STAGE_BUSY, t.compute_s, tags)
-            self._record(Metric.STAGE_TRANSFER, transfer, tags)
-            self._record(Metric.STAGE_BUBBLE, bubble, tags)
-            self._record(Metric.STAGE_IDLE, idle, tags)
+            self._record(Metric.STAGE_BUSY, split.busy, tags)
+            self._record(Metric.STAGE_TRANSFER, split.transfer, tags)
+            self._record(Metric.STAGE_IDLE, split.idle, tags)
+            self._record(Metric.STAGE_WALL, acc.wall_s - wall_before, tags)
             wall = acc.wall_s
-            self._record(Metric.STAGE_BUBBLE_FRACTION, acc.bubble_s / wall if wall > 0 else 0.0, tags)
+            for cause, total in acc.stats().bubble_by_cause_s.items():
+                cause_tags = {**tags, "cause": cause}
+                self._record(Metric.STAGE_BUBBLE, getattr(split, cause), cause_tags)
+                self._record(Metric.STAGE_BUBBLE_FRACTION, total / wall if wall > 0 else 0.0, cause_tags)
         self._record(Metric.MB_TOKENS, mb.num_prefill_tokens, {"kind": "prefill"})
         self._record(Metric.MB_TOKENS, mb.num_decodes, {"kind": "decode"})
 

@@ -1,8 +1,10 @@
 """A run's report: `report.json` (summary + one entry per request), `requests.csv`,
 `microbatches.csv`, `timeline.csv` and the plots. The same for simulated and real runs.
 
-Bubbles come from `telemetry.bubbles.account` (docs/bubbles.md), once per replica: each
-replica is its own pipeline with its own clocks. Times are seconds from the run's start.
+Bubbles by cause come from the rule of `telemetry.bubbles` (docs/bubbles.md), applied by
+each replica's `RunRecorder`: each replica is its own pipeline with its own clocks. Request
+times are seconds from the run's start on the driver's clock; stage times (micro-batch rows,
+timeline) are seconds from each stage's own start.
 """
 from __future__ import annotations
 
@@ -17,10 +19,8 @@ import numpy as np
 
 from pp_runtime.config import Config
 from pp_runtime.request import RequestOutput
-from pp_runtime.telemetry.bubbles import account
-from pp_runtime.telemetry.recorder import RunRecorder
-
-TIMELINE_MBS = 300  # micro-batches of replica 0 kept for the per-stage timeline
+from pp_runtime.telemetry.bubbles import CAUSES, fractions_by_cause
+from pp_runtime.telemetry.recorder import MB_COLUMNS, TIMELINE_COLUMNS, RunRecorder
 
 
 @dataclass
@@ -49,27 +49,25 @@ def _stats(values: Sequence[float], keys: Sequence[str] = ("median", "p90", "p99
     return {k: float(pick[k]()) for k in keys}
 
 
-def build_report(run: RunResult) -> tuple[dict[str, Any], list[list]]:
-    """(report.json contents, microbatches.csv rows)."""
+def _stage_row(replica: int, s) -> dict[str, Any]:
+    return {"replica": replica, "stage": s.stage, "wall_s": s.wall_s, "busy_s": s.busy_s,
+            "transfer_s": s.transfer_s, "bubble_s": s.bubble_s,
+            "bubble_by_cause_s": s.bubble_by_cause_s, "idle_s": s.idle_s,
+            "num_microbatches": s.num_microbatches}
+
+
+def build_report(run: RunResult) -> dict[str, Any]:
+    """report.json's contents: the summary, the config and one entry per request."""
     cfg = run.cfg
-    per_stage, request_bubble, mb_rows = [], Counter(), []
-    num_mbs = Counter()
+    per_stage, stats, request_bubble, num_mbs = [], [], Counter(), Counter()
+    prefill_ran = 0
     for rec in run.replicas:
-        mb_requests = {mb.mb_id: mb.request_ids for mb in rec.microbatches}
-        acc = account((t for mb in rec.microbatches for t in mb.timings), mb_requests)
-        request_bubble.update(acc.request_bubble_s)
-        for s in acc.per_stage:
-            per_stage.append({"replica": rec.replica, "stage": s.stage, "wall_s": s.wall_s,
-                              "busy_s": s.busy_s, "transfer_s": s.transfer_s,
-                              "bubble_s": s.bubble_s, "idle_s": s.idle_s,
-                              "num_microbatches": s.num_microbatches})
-        for mb in rec.microbatches:
-            num_mbs.update(mb.request_ids)
-            t0, t1 = mb.timings[0], mb.timings[-1]
-            mb_rows.append([rec.replica, mb.mb_id, mb.prefill_tokens, mb.decodes,
-                            mb.prefill_tokens + mb.decodes, len(mb.request_ids), t0.compute_start_s,
-                            t1.compute_end_s, max(t.compute_s for t in mb.timings),
-                            acc.mb_bubble_s.get(mb.mb_id, 0.0)])
+        rep = rec.bubbles()
+        stats += rep.per_stage
+        per_stage += [_stage_row(rec.replica, s) for s in rep.per_stage]
+        request_bubble.update(rep.request_bubble_s)
+        num_mbs.update(rec.request_mbs)
+        prefill_ran += sum(rec.mb_columns["prefill_tokens"])
     requests = []
     for r in run.requests:
         requests.append({"id": r.request_id, "prompt_tokens": len(r.prompt_token_ids),
@@ -80,8 +78,10 @@ def build_report(run: RunResult) -> tuple[dict[str, Any], list[list]]:
                          "finish_reason": str(r.finish_reason)})
     done = [r for r in requests if r["finish_s"] is not None]
     makespan = max((r["finish_s"] for r in done), default=0.0)
-    tokens = sum(r["prompt_tokens"] + r["output_tokens"] for r in requests)
-    wall = sum(s["wall_s"] for s in per_stage)
+    # tokens that ran: prompt tokens that went through the pipeline (all of them unless the
+    # run failed part-way) and tokens sampled
+    tokens = prefill_ran + sum(r["output_tokens"] for r in requests)
+    by_cause = fractions_by_cause(stats)
     gaps = np.concatenate([np.frombuffer(rec.token_gaps_s, dtype=float) for rec in run.replicas]) \
         if run.replicas else np.zeros(0)
     m, p, pl = cfg.model, cfg.parallel, cfg.planner
@@ -89,12 +89,13 @@ def build_report(run: RunResult) -> tuple[dict[str, Any], list[list]]:
         "planner": pl.planner, "executor": run.executor, "num_requests": len(requests),
         "makespan_s": makespan, "throughput_tok_s": tokens / makespan if makespan > 0 else 0.0,
         "bubble_per_request_s": _stats([r["bubble_s"] for r in requests]),
-        "bubble_fraction": sum(s["bubble_s"] for s in per_stage) / wall if wall > 0 else 0.0,
+        "bubble_fraction": sum(by_cause.values()),
+        "bubble_fraction_by_cause": by_cause,
         "per_stage": per_stage,
         "ttft_s": _stats([r["first_token_s"] - r["arrival_s"] for r in done
                           if r["first_token_s"] is not None], ("median", "p99")),
         "tbt_s": _stats(gaps, ("median", "p99")),
-        "num_microbatches": len(mb_rows),
+        "num_microbatches": sum(rec.num_microbatches for rec in run.replicas),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in requests)),
         "deployment": {"model": m.name, "tp": p.tp, "pp": p.pp, "dp": p.dp,
                        "gpu": _hardware(cfg) if run.executor == "sim" else cfg.runtime.device,
@@ -103,15 +104,11 @@ def build_report(run: RunResult) -> tuple[dict[str, Any], list[list]]:
     }
     if run.cost_sources:
         summary["cost_sources"] = run.cost_sources
-    return {"summary": summary, "config": cfg.to_dict(), "requests": requests}, mb_rows
+    return {"summary": summary, "config": cfg.to_dict(), "requests": requests}
 
 
-MB_COLUMNS = ["replica", "mb_id", "prefill_tokens", "decodes", "num_tokens", "num_requests",
-              "start_s", "end_s", "compute_s", "bubble_s"]
 REQUEST_COLUMNS = ["id", "prompt_tokens", "output_tokens", "arrival_s", "first_token_s",
                    "finish_s", "bubble_s", "num_microbatches", "finish_reason"]
-TIMELINE_COLUMNS = ["mb_id", "stage", "compute_start_s", "compute_end_s", "wait_s", "transfer_s",
-                    "prefill_tokens", "decodes"]
 
 
 def _write_csv(path: Path, columns: list[str], rows) -> None:
@@ -125,19 +122,20 @@ def write_report(run: RunResult, out_dir: str | Path, plots: bool = True) -> dic
     """Write every report file of a run into out_dir; returns report.json's contents."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report, mb_rows = build_report(run)
+    report = build_report(run)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     _write_csv(out / "requests.csv", REQUEST_COLUMNS,
                ([r[c] for c in REQUEST_COLUMNS] for r in report["requests"]))
-    _write_csv(out / "microbatches.csv", MB_COLUMNS, mb_rows)
+    _write_csv(out / "microbatches.csv", ["replica", *MB_COLUMNS],
+               ([rec.replica, *row] for rec in run.replicas
+                for row in zip(*(rec.mb_columns[c] for c in MB_COLUMNS))))
     with open(out / "outputs.jsonl", "w") as f:  # what each request generated
         for r in run.requests:
             f.write(json.dumps({"id": r.request_id, "token_ids": r.token_ids,
                                 "finish_reason": str(r.finish_reason)}) + "\n")
-    first = run.replicas[0].microbatches[:TIMELINE_MBS] if run.replicas else []
-    _write_csv(out / "timeline.csv", TIMELINE_COLUMNS,
-               ([t.mb_id, t.stage, t.compute_start_s, t.compute_end_s, t.wait_s, t.transfer_s,
-                 mb.prefill_tokens, mb.decodes] for mb in first for t in mb.timings))
+    windows = run.replicas[0].timeline() if run.replicas else {}
+    _write_csv(out / "timeline.csv", ["window", *TIMELINE_COLUMNS],
+               ([name, *row] for name, rows in windows.items() for row in rows))
     if plots:
         from pp_runtime.telemetry.plots import plot_run
         plot_run(out)
@@ -154,18 +152,41 @@ def read_report(out_dir: str | Path) -> dict[str, Any]:
 def format_summary(report: dict[str, Any]) -> str:
     s = report["summary"]
     d, b, ttft, tbt = s["deployment"], s["bubble_per_request_s"], s["ttft_s"], s["tbt_s"]
+    causes = s.get("bubble_fraction_by_cause", {})
     lines = [
         f"{s['planner']} on {d['model']} tp={d['tp']} pp={d['pp']} dp={d['dp']} ({d['gpu']}, "
         f"{s['executor']}): {s['num_requests']} requests, {s['num_microbatches']} micro-batches",
         f"  makespan {_t(s['makespan_s'])}, throughput {s['throughput_tok_s']:.0f} tok/s, "
-        f"bubble fraction {s['bubble_fraction']:.1%}",
+        f"bubble fraction {s['bubble_fraction']:.1%}"
+        + (" (" + ", ".join(f"{c} {causes[c]:.1%}" for c in CAUSES if c in causes) + ")"
+           if causes else ""),
         f"  bubble per request: median {_t(b['median'])}, p90 {_t(b['p90'])}, "
         f"p99 {_t(b['p99'])}, mean {_t(b['mean'])}",
         f"  TTFT median {_t(ttft['median'])}, p99 {_t(ttft['p99'])}; "
         f"time between tokens median {_t(tbt['median'])}, p99 {_t(tbt['p99'])}",
         f"  finish reasons: {s['finish_reasons']}",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + stage_table(s["per_stage"]))
+
+
+STAGE_TABLE_ROWS = 16  # stages printed; report.json has every one
+
+
+def stage_table(per_stage: list[dict], indent: str = "  ") -> list[str]:
+    """Per stage: busy / transfer / bubble by cause / idle, time and share of the stage's wall."""
+    cols = ["busy", "transfer", *CAUSES, "idle"]
+    head = f"{indent}{'stage':>7} {'wall':>10}" + "".join(f" {c:>18}" for c in cols)
+    lines = [head]
+    for st in per_stage[:STAGE_TABLE_ROWS]:
+        by = st.get("bubble_by_cause_s", {})
+        vals = [st["busy_s"], st["transfer_s"], *(by.get(c, 0.0) for c in CAUSES), st["idle_s"]]
+        wall = st["wall_s"]
+        name = f"{st['replica']}.{st['stage']}" if st.get("replica") else str(st["stage"])
+        lines.append(f"{indent}{name:>7} {_t(wall):>10}" + "".join(
+            f" {_t(v):>10} {v / wall if wall > 0 else 0.0:>6.1%}" for v in vals))
+    if len(per_stage) > STAGE_TABLE_ROWS:
+        lines.append(f"{indent}... {len(per_stage) - STAGE_TABLE_ROWS} more stages in report.json")
+    return lines
 
 
 def _t(x: float | None) -> str:

@@ -9,6 +9,7 @@ from pp_runtime.config import config_from_dict
 from pp_runtime.executors.sim import SimExecutor, VirtualClock
 from pp_runtime.simulate import route, simulate
 from pp_runtime.telemetry.bubbles import account
+from pp_runtime.telemetry.recorder import TIMELINE_COLUMNS
 from pp_runtime.workload import RequestSpec, generate
 
 
@@ -33,6 +34,22 @@ class ConstantCost(TokenCost):
 
 def mb(mb_id, tokens, rid=0):
     return MicroBatch(mb_id, (SeqChunk(rid, 0, 0, (0,) * tokens, Sampling(0.0, 1.0, 0)),))
+
+
+@pytest.fixture
+def whole_run_window(monkeypatch):
+    """Timeline windows big enough to hold every micro-batch of these short runs."""
+    monkeypatch.setattr("pp_runtime.telemetry.recorder.TIMELINE_MBS", 100_000)
+
+
+def per_mb(rec):
+    """The recorder's timeline rows of its first window (every micro-batch of a short run),
+    as {mb_id: [row of stage 0, row of stage 1, ...]}, rows as dicts."""
+    out = {}
+    for row in rec.timeline()["start"]:
+        out.setdefault(row[0], []).append(dict(zip(TIMELINE_COLUMNS, row)))
+    assert len(out) == rec.num_microbatches  # the window holds the whole run
+    return out
 
 
 def test_pb1_schedule_matches_the_hand_computed_one():
@@ -68,6 +85,34 @@ def test_a_call_submitted_later_starts_no_earlier_than_its_submission():
     assert [(t.compute_start_s, t.wait_s) for t in out.timings] == [(5, 0), (6, 1)]
 
 
+def test_a_fast_stage_blocks_on_a_slow_receiver():
+    """Stages costing 1, 1, 3; three micro-batches submitted at 0, then a fourth when the
+    first result is back (at 5). Stage 2 takes m1's send only when it starts m1 (at 5), so
+    stage 1, done with m2 at 4, is blocked until 5 (downstream), and with m3 from 7 to 8.
+      stage 0: m0 [0,1) m1 [1,2) m2 [2,3) m3 [5,6)
+      stage 1: m0 [1,2) m1 [2,3) m2 [3,4)+1 m3 [6,7)+1 (takes m3's call at 5, waits 1)
+      stage 2: m0 [2,5) m1 [5,8) m2 [8,11) m3 [11,14)"""
+    class Slow(TokenCost):
+        def stage_times(self, prefills, decode_kv_lens):
+            return [1.0, 1.0, 3.0]
+
+    clock = VirtualClock()
+    ex = SimExecutor(Slow(3), 3, clock)
+    handles = [ex.submit(mb(i, 1)) for i in range(3)]
+    outs = [ex.wait(handles[0])]
+    handles.append(ex.submit(mb(3, 1)))
+    outs += [ex.wait(h) for h in handles[1:]]
+    got = {(t.mb_id, t.stage): (t.compute_start_s, t.compute_end_s, t.wait_s, t.send_wait_s)
+           for o in outs for t in o.timings}
+    assert [got[(k, 0)] for k in range(4)] == [(0, 1, 0, 0), (1, 2, 0, 0), (2, 3, 0, 0), (5, 6, 0, 0)]
+    assert [got[(k, 1)] for k in range(4)] == [(1, 2, 1, 0), (2, 3, 0, 0), (3, 4, 0, 1), (6, 7, 1, 1)]
+    assert [got[(k, 2)][:2] for k in range(4)] == [(2, 5), (5, 8), (8, 11), (11, 14)]
+    rep = account([t for o in outs for t in o.timings], stage_start_s={0: 0, 1: 0, 2: 0})
+    s1 = rep.per_stage[1]
+    assert (s1.busy_s, s1.upstream_s, s1.downstream_s, s1.dependency_s, s1.wall_s) == (4, 2, 2, 0, 8)
+    assert rep.per_stage[0].dependency_s == 2  # 3..5: the in-flight cap, waiting on m0
+
+
 def paper_like(planner="sarathi", **workload):
     return config_from_dict({
         "model": {"preset": "gpt3-175b", "num_layers": 8},
@@ -76,19 +121,20 @@ def paper_like(planner="sarathi", **workload):
         "workload": {"num_requests": 30, "min_len": 200, "max_len": 600, **workload}})
 
 
-def test_invariants_of_a_simulated_run():
+def test_invariants_of_a_simulated_run(whole_run_window):
     """A stage never runs two micro-batches at once and runs them in order; micro-batch k
     starts on stage s no earlier than it ended on stage s-1 plus the transfer."""
     cfg = paper_like(qps=200.0)
     run = simulate(cfg, TokenCost(4, per_token=1e-4, base=1e-3, send=2e-4), progress=False)
-    rec = run.replicas[0]
+    rows = per_mb(run.replicas[0])
     for stage in range(4):
-        ts = [mb.timings[stage] for mb in rec.microbatches]
-        assert all(a.compute_end_s <= b.compute_start_s + 1e-12 for a, b in zip(ts, ts[1:]))
-        assert [t.mb_id for t in ts] == sorted(t.mb_id for t in ts)
-    for m in rec.microbatches:
-        for prev, t in zip(m.timings, m.timings[1:]):
-            assert t.compute_start_s >= prev.compute_end_s + t.transfer_s - 1e-12
+        ts = [r[stage] for r in rows.values()]
+        assert all(a["compute_end_s"] + a["send_wait_s"] <= b["compute_start_s"] + 1e-12
+                   for a, b in zip(ts, ts[1:]))
+        assert [t["mb_id"] for t in ts] == sorted(t["mb_id"] for t in ts)
+    for m in rows.values():  # the stages all start at the first arrival: one time axis
+        for prev, t in zip(m, m[1:]):
+            assert t["compute_start_s"] >= prev["compute_end_s"] + t["transfer_s"] - 1e-12
     for r in run.requests:  # every request ran to its workload length, after it arrived
         assert r.finish_reason == "length" and r.first_token_s > r.arrival_s
     specs = generate(cfg.workload)
@@ -113,20 +159,21 @@ def test_identical_microbatch_costs_leave_only_the_pipeline_fill_as_bubble():
     assert clock() == pytest.approx((100 + pp - 1) * T)
 
 
-def test_with_identical_costs_only_a_refilled_pipeline_has_bubbles():
+def test_with_identical_costs_only_a_refilled_pipeline_has_bubbles(whole_run_window):
     """Through the planner and driver: a micro-batch has a bubble only when the pipeline ran
     dry before it (stage 0 idled: fewer ready requests than stages), never otherwise."""
     T = 0.01
     rec = simulate(paper_like(), ConstantCost(4, base=T), progress=False).replicas[0]
-    rep = account([t for m in rec.microbatches for t in m.timings])
+    rep = rec.bubbles()
     prev_end = None
-    for m in rec.microbatches:
-        refilled = prev_end is None or m.timings[0].compute_start_s > prev_end + 1e-12
+    for mb_id, m in per_mb(rec).items():
+        refilled = prev_end is None or m[0]["compute_start_s"] > prev_end + 1e-12
         if not refilled:
-            assert rep.mb_bubble_s.get(m.mb_id, 0.0) == 0.0
+            assert rep.mb_bubble_s.get(mb_id, 0.0) == 0.0
         else:
-            assert rep.mb_bubble_s[m.mb_id] <= (1 + 2 + 3) * T + 1e-12
-        prev_end = m.timings[0].compute_end_s
+            assert rep.mb_bubble_s[mb_id] <= (1 + 2 + 3) * T + 1e-12
+        prev_end = m[0]["compute_end_s"]
+    assert sum(s.downstream_s for s in rep.per_stage) == 0  # equal costs: no back-pressure
 
 
 def test_uneven_microbatches_make_bubbles_that_sarathi_avoids():
@@ -135,7 +182,7 @@ def test_uneven_microbatches_make_bubbles_that_sarathi_avoids():
     for planner in ("orca-best", "sarathi"):
         cfg = paper_like(planner, num_requests=100).with_overrides(max_batch_size=8)
         rec = simulate(cfg, cost, progress=False).replicas[0]
-        frac[planner] = account([t for m in rec.microbatches for t in m.timings]).bubble_fraction
+        frac[planner] = rec.bubbles().bubble_fraction
     assert frac["orca-best"] > 1.3 * frac["sarathi"]
 
 
