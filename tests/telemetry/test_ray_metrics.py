@@ -49,21 +49,26 @@ def stage_key(metric, stage):
     return metric, tuple(sorted(DEP + (("stage", str(stage)),)))
 
 
-def T(mb, stage, start, end, wait=0.0, transfer=0.0, tp_rank=0):  # noqa: N802
-    return StageTiming(mb, stage, tp_rank, wait, transfer, start, end)
+def cause_key(metric, stage, cause):
+    return metric, tuple(sorted(DEP + (("stage", str(stage)), ("cause", cause))))
+
+
+def T(mb, stage, start, end, wait=0.0, transfer=0.0, tp_rank=0, send_wait=0.0):  # noqa: N802
+    return StageTiming(mb, stage, tp_rank, wait, transfer, start, end, send_wait)
 
 
 SAMPLE = Sampling(0.0, 1.0, 0)
 
 
 def test_online_bubbles_equal_account_on_a_hand_made_schedule():
-    """stage 0: m0 [0,1)  m1 [1,5)  idle 3  m2 [8,9)
+    """stage 0: m0 [0,1)  m1 [1,5) then blocked 0.5 on its send (downstream)  m2 [8,9):
+             the driver was idle 2 before m2 (idle 2, dependency 0.5)
     stage 1: m0 [1.5,2.5) after wait 1 + transfer 0.5 (fill); m1 [5.5,9.5) after transfer
              0.5 + wait 2.5 (PB1); m2 [10,11) after transfer 0.25 and 0.25 idle.
     r0: m0 (whole prompt, samples) and m2 (decode, finishes); r1: m1 (whole prompt, one
     token, finishes); r2: m1 (first chunk) and m2 (last chunk, first token, finishes)."""
     timings = {0: [T(0, 0, 0, 1), T(0, 1, 1.5, 2.5, wait=1, transfer=0.5)],
-               1: [T(1, 0, 1, 5), T(1, 1, 5.5, 9.5, wait=2.5, transfer=0.5)],
+               1: [T(1, 0, 1, 5, send_wait=0.5), T(1, 1, 5.5, 9.5, wait=2.5, transfer=0.5)],
                2: [T(2, 0, 8, 9), T(2, 1, 10, 11, transfer=0.25)]}
     for mb_timings in timings.values():  # TP rank 1 runs in lock step and is not counted
         mb_timings += [T(t.mb_id, t.stage, t.compute_start_s, t.compute_end_s + 0.5, tp_rank=1)
@@ -73,7 +78,7 @@ def test_online_bubbles_equal_account_on_a_hand_made_schedule():
     mbs = [MicroBatch(0, (SeqChunk(0, 0, 0, (1,) * 4, SAMPLE),)),
            MicroBatch(1, (SeqChunk(1, 1, 0, (1,) * 8, SAMPLE), SeqChunk(2, 2, 0, (1,) * 4, None))),
            MicroBatch(2, (SeqChunk(0, 0, 4, (7,), SAMPLE, is_decode=True),
-                          SeqChunk(2, 2, 4, (1,) * 8, SAMPLE)))]
+                          SeqChunk(2, 2, 4, (1,) * 8, SAMPLE)), idle_before_s=2.0)]
     done_at = {0: 3.0, 1: 10.0, 2: 12.0}  # driver clock when each result came back
     finishes = {1: [1], 2: [0, 2]}  # what the planner finished in each micro-batch
     now = [0.0]
@@ -93,21 +98,26 @@ def test_online_bubbles_equal_account_on_a_hand_made_schedule():
         metrics.on_microbatch(mb, out)
 
     rep = account([t for ts in timings.values() for t in ts], {mb.mb_id: [s.request_id for s in mb.seqs]
-                                                               for mb in mbs})
-    assert [s.bubble_s for s in rep.per_stage] == [0, 3.5]  # the schedule is what it says
-    assert [s.idle_s for s in rep.per_stage] == [3, 0.25]
+                                                               for mb in mbs},
+                  idle_before_s={mb.mb_id: mb.idle_before_s for mb in mbs})
+    assert [s.bubble_by_cause_s for s in rep.per_stage] == [  # the schedule is what it says
+        {"upstream": 0, "downstream": 0.5, "dependency": 0.5},
+        {"upstream": 3.5, "downstream": 0, "dependency": 0}]
+    assert [s.idle_s for s in rep.per_stage] == [2, 0.25]
     for s in rep.per_stage:
         assert sink.counters[stage_key(Metric.STAGE_BUSY, s.stage)] == pytest.approx(s.busy_s)
-        assert sink.counters[stage_key(Metric.STAGE_BUBBLE, s.stage)] == pytest.approx(s.bubble_s)
+        for cause, seconds in s.bubble_by_cause_s.items():
+            assert sink.counters[cause_key(Metric.STAGE_BUBBLE, s.stage, cause)] == pytest.approx(seconds)
+            assert sink.gauges[cause_key(Metric.STAGE_BUBBLE_FRACTION, s.stage, cause)] == pytest.approx(
+                seconds / s.wall_s)
         assert sink.counters[stage_key(Metric.STAGE_IDLE, s.stage)] == pytest.approx(s.idle_s)
         assert sink.counters[stage_key(Metric.STAGE_TRANSFER, s.stage)] == pytest.approx(s.transfer_s)
-        assert sink.gauges[stage_key(Metric.STAGE_BUBBLE_FRACTION, s.stage)] == pytest.approx(
-            s.bubble_s / s.wall_s)
+        assert sink.counters[stage_key(Metric.STAGE_WALL, s.stage)] == pytest.approx(s.wall_s)
         assert metrics.stages[s.stage].stats() == s  # the same accumulator, the same numbers
     # per request, recorded when it finished (r0 and r2 in m2, after r1 in m1)
     assert sink.observed[(Metric.REQUEST_BUBBLE, DEP)] == pytest.approx(
         [rep.request_bubble_s[1], rep.request_bubble_s[0], rep.request_bubble_s[2]])
-    assert rep.request_bubble_s == {0: 1.0, 1: 2.5, 2: 2.5}
+    assert rep.request_bubble_s == {0: 1.0, 1: 3.0, 2: 3.0}
     assert sink.observed[(Metric.REQUEST_TTFT, DEP)] == pytest.approx([10.0 - 0.5, 3.0 - 0.0, 12.0 - 1.0])
     assert sink.observed[(Metric.REQUEST_TBT, DEP)] == pytest.approx([12.0 - 3.0])  # r0's one gap
     tokens = {kind: sink.observed[(Metric.MB_TOKENS, DEP + (("kind", kind),))]
@@ -161,14 +171,10 @@ def test_metric_names_are_prometheus_names():
 def test_grafana_dashboard_queries_every_exported_series_and_nothing_else():
     dashboard = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "pp_runtime.json"
     panels = json.loads(dashboard.read_text())["panels"]
-    four = "ray_pp_runtime_stage_(busy|transfer|bubble|idle)_seconds_total"  # one regex, four series
     names = []
     for target in (t for p in panels for t in p.get("targets", [])):
-        expr = target["expr"]
-        if four in expr:
-            names += [four.replace("(busy|transfer|bubble|idle)", k)
-                      for k in ("busy", "transfer", "bubble", "idle")]
-        names += re.findall(r"ray_pp_runtime_\w+", expr.replace(four, ""))
+        assert "__name__" not in target["expr"]  # rate() over a name regex: duplicate labelsets
+        names += re.findall(r"ray_pp_runtime_\w+", target["expr"])
     base = {name: Metric(re.sub(r"_(total|bucket|count|sum)$", "", name)[len("ray_"):]) for name in names}
     assert set(base.values()) == set(Metric)
     suffix = {Kind.COUNTER: ("_total",), Kind.GAUGE: ("",), Kind.HISTOGRAM: ("_bucket", "_count", "_sum")}
@@ -247,19 +253,23 @@ def test_a_ray_run_exports_every_series(ray_metrics_port):
 
     for name, samples in series.items():  # every sample names its deployment
         assert all(lab["deployment"] == dep for lab, _ in samples), name
-    rep = account((t for mb in rec.microbatches for t in mb.timings),
-                  {mb.mb_id: mb.request_ids for mb in rec.microbatches})
+    rep = rec.bubbles()
     for s in rep.per_stage:  # the live per-stage seconds are the report's
         st = str(s.stage)
         assert _value(series, "ray_pp_runtime_stage_busy_seconds_total", stage=st) > 0
-        for kind in ("busy", "transfer", "bubble", "idle"):
+        for kind in ("busy", "transfer", "idle", "wall"):
             expected = getattr(s, f"{kind}_s")
             if expected > 0:  # a counter appears once it grows
                 got = _value(series, f"ray_pp_runtime_stage_{kind}_seconds_total", stage=st)
                 assert got == pytest.approx(expected), kind
-        assert _value(series, "ray_pp_runtime_stage_bubble_fraction", stage=st) == pytest.approx(
-            s.bubble_s / s.wall_s)
-    assert rep.per_stage[1].bubble_s > 0  # stage 1 waits for stage 0 (at least the fill)
+        for cause, expected in s.bubble_by_cause_s.items():
+            if expected > 0:
+                got = _value(series, "ray_pp_runtime_stage_bubble_seconds_total", stage=st, cause=cause)
+                assert got == pytest.approx(expected), cause
+            assert _value(series, "ray_pp_runtime_stage_bubble_fraction", stage=st,
+                          cause=cause) == pytest.approx(expected / s.wall_s)
+    assert rep.per_stage[1].upstream_s > 0  # stage 1 waits for stage 0 (at least the fill)
+    assert rep.per_stage[0].dependency_s > 0  # stage 0 waits for sampled tokens
     assert "ray_pp_runtime_stage_transfer_seconds_total" in series
 
     for name in ("request_ttft_seconds", "request_bubble_seconds"):  # histograms, one per request
@@ -268,13 +278,13 @@ def test_a_ray_run_exports_every_series(ray_metrics_port):
     assert _value(series, "ray_pp_runtime_request_tbt_seconds_count") == gaps
     assert _value(series, "ray_pp_runtime_request_ttft_seconds_sum") > 0
 
-    num_mbs = len(rec.microbatches)
+    num_mbs = rec.num_microbatches
     for kind in ("prefill", "decode"):
         assert _value(series, "ray_pp_runtime_microbatch_tokens_count", kind=kind) == num_mbs
     # the smallest bucket (<= 1 token) holds the decode-only micro-batches' prefill count
-    no_prefill = sum(1 for mb in rec.microbatches if mb.prefill_tokens == 0)
+    no_prefill = sum(1 for n in rec.mb_columns["prefill_tokens"] if n == 0)
     assert _value(series, "ray_pp_runtime_microbatch_tokens_bucket", kind="prefill", le="1.0") == no_prefill
-    assert any(mb.decodes for mb in rec.microbatches)
+    assert any(rec.mb_columns["decodes"])
     assert _value(series, "ray_pp_runtime_microbatch_tokens_bucket", kind="decode", le="+Inf") == num_mbs
 
     assert _value(series, "ray_pp_runtime_microbatches_in_flight") == 0  # the run is over

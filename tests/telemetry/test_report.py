@@ -9,7 +9,7 @@ import pytest
 from pp_runtime.config import config_from_dict
 from pp_runtime.simulate import simulate
 from pp_runtime.telemetry.compare import compare_runs
-from pp_runtime.telemetry.report import read_report, write_report
+from pp_runtime.telemetry.report import build_report, read_report, write_report
 
 SUMMARY_KEYS = {"planner", "num_requests", "makespan_s", "throughput_tok_s", "bubble_per_request_s",
                 "bubble_fraction", "per_stage", "ttft_s", "tbt_s"}
@@ -52,9 +52,16 @@ def test_report_json_has_every_field_and_adds_up(run_dir):
     assert set(s["bubble_per_request_s"]) == {"median", "p90", "p99", "mean"}
     assert set(s["ttft_s"]) == set(s["tbt_s"]) == {"median", "p99"}
     assert s["cost_sources"] == {"everything": "a test's hand-made cost"}
-    for st in s["per_stage"]:  # the four kinds of time add up to each stage's wall time
+    for st in s["per_stage"]:  # the kinds of time add up to each stage's wall time
         parts = st["busy_s"] + st["bubble_s"] + st["idle_s"] + st["transfer_s"]
         assert parts == pytest.approx(st["wall_s"])
+        assert set(st["bubble_by_cause_s"]) == {"upstream", "downstream", "dependency"}
+        assert sum(st["bubble_by_cause_s"].values()) == pytest.approx(st["bubble_s"])
+    wall = sum(st["wall_s"] for st in s["per_stage"])
+    for cause, frac in s["bubble_fraction_by_cause"].items():
+        assert frac == pytest.approx(sum(st["bubble_by_cause_s"][cause] for st in s["per_stage"]) / wall)
+    assert sum(s["bubble_fraction_by_cause"].values()) == pytest.approx(s["bubble_fraction"])
+    assert s["per_stage"][0]["bubble_by_cause_s"]["dependency"] > 0  # stage 0 stalls on tokens
     reqs = report["requests"]
     assert len(reqs) == 24 and all(REQUEST_KEYS <= set(r) for r in reqs)
     assert s["makespan_s"] == max(r["finish_s"] for r in reqs)
@@ -64,8 +71,9 @@ def test_report_json_has_every_field_and_adds_up(run_dir):
     with open(out / "microbatches.csv") as f:
         mbs = list(csv.DictReader(f))
     assert len(mbs) == s["num_microbatches"]
-    assert sum(float(m["bubble_s"]) for m in mbs) == pytest.approx(
-        sum(st["bubble_s"] for st in s["per_stage"]))
+    charged = [st["bubble_by_cause_s"]["upstream"] + st["bubble_by_cause_s"]["downstream"]
+               for st in s["per_stage"]]  # a micro-batch is charged these two causes
+    assert sum(float(m["bubble_s"]) for m in mbs) == pytest.approx(sum(charged))
     assert sum(int(m["num_requests"]) for m in mbs) == sum(r["num_microbatches"] for r in reqs)
     assert json.loads((out / "report.json").read_text()) == read_report(out)
 
@@ -99,8 +107,38 @@ def test_replicas_split_the_work_and_report_every_stage(tmp_path):
     rep = write_report(two, tmp_path, plots=False)
     assert [(s["replica"], s["stage"]) for s in rep["summary"]["per_stage"]] == [(0, 0), (1, 0)]
     assert all(r["finish_reason"] == "length" for r in rep["requests"])
-    assert {len(r.microbatches) > 0 for r in two.replicas} == {True}
+    assert {r.num_microbatches > 0 for r in two.replicas} == {True}
     assert rep["summary"]["makespan_s"] < max(r.finish_s for r in one.requests)
+
+
+def test_a_failed_run_counts_only_the_tokens_that_ran(tmp_path):
+    """A request that errored before its prompt ran adds nothing to the throughput."""
+    from dataclasses import replace
+
+    from pp_runtime.request import FinishReason, RequestOutput
+
+    run = simulate(cfg(), TokenCost(2), progress=False)
+    base = build_report(run)["summary"]
+    failed = RequestOutput(999, [1] * 5000, [], FinishReason.ERROR, arrival_s=0.0,
+                           first_token_s=None, finish_s=0.0)
+    s = build_report(replace(run, requests=run.requests + [failed]))["summary"]
+    assert s["finish_reasons"]["error"] == 1
+    assert s["throughput_tok_s"] == pytest.approx(base["throughput_tok_s"])
+
+
+def test_timeline_has_a_start_and_a_steady_window(monkeypatch, tmp_path):
+    monkeypatch.setattr("pp_runtime.telemetry.recorder.TIMELINE_MBS", 20)
+    write_report(simulate(cfg(), TokenCost(2), progress=False), tmp_path, plots=False)
+    with open(tmp_path / "timeline.csv") as f:
+        rows = list(csv.DictReader(f))
+    windows = {w: sorted({int(r["mb_id"]) for r in rows if r["window"] == w}) for w in ("start", "steady")}
+    n = read_report(tmp_path)["summary"]["num_microbatches"]
+    assert windows["start"] == list(range(20))
+    first = windows["steady"][0]  # the last window that opened by half-way: 20 * 2^k
+    assert len(windows["steady"]) == 20 and first in (20, 40, 80, 160, 320) and first <= n // 2 < 2 * first
+    for r in rows:  # each row's parts are the stage's own: gap split + compute + send wait
+        assert float(r["upstream_s"]) <= float(r["wait_s"]) + 1e-12
+        assert float(r["downstream_s"]) == float(r["send_wait_s"])
 
 
 def test_compare_prints_ratios_to_the_first_run(tmp_path):
