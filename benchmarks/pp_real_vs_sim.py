@@ -7,7 +7,9 @@ On this machine: PP=2 (two Ray actors, one process and one torch thread per stag
   2. runs SARATHI and orca-best on the real runtime,
   3. simulates both with that profile,
 and prints median bubble per request, bubble fraction, throughput and makespan for each,
-the SARATHI / orca ratios, and the simulated / real makespan gap.
+the SARATHI / orca ratios, the simulated / real makespan gap, and every stage's split
+(busy, transfer, upstream, downstream, dependency, idle as shares of its wall time), real
+and simulated side by side, cause by cause.
 Targets (issue 5): SARATHI's bubble fraction <= 5 % and >= 3x lower than orca-best's;
 simulated makespan within 10 % of the real one.
 
@@ -67,6 +69,26 @@ def row(name: str, s: dict) -> str:
             f"{b * 1e3:>14.1f}{s['bubble_fraction']:>12.1%}")
 
 
+PARTS = ("busy", "transfer", "upstream", "downstream", "dependency", "idle")
+
+
+def shares(st: dict) -> dict[str, float]:
+    """One stage's parts as shares of its wall time."""
+    secs = {"busy": st["busy_s"], "transfer": st["transfer_s"], "idle": st["idle_s"],
+            **st["bubble_by_cause_s"]}
+    return {k: secs[k] / st["wall_s"] if st["wall_s"] > 0 else 0.0 for k in PARTS}
+
+
+def cause_table(planner: str, real: dict, sim: dict) -> list[str]:
+    lines = [f"\n{planner}: share of each stage's wall time, real vs simulated",
+             f"{'stage':<8}" + "".join(f"{p:>24}" for p in PARTS)]
+    for r, s in zip(real["per_stage"], sim["per_stage"]):
+        a, b = shares(r), shares(s)
+        lines.append(f"{r['stage']:<8}" + "".join(
+            f"{a[p]:>8.1%} /{b[p]:>6.1%} ({b[p] - a[p]:+6.1%})" for p in PARTS))
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="cpu/gpt2_pp2")
@@ -89,10 +111,13 @@ def main() -> None:
                                     progress=False), out / f"sim-{planner}")["summary"]
         results[planner] = (real, sim)
         print(format_summary({"summary": real}))
+        print(format_summary({"summary": sim}))
     print(f"\n{'run':<18}{'makespan s':>10}{'tok/s':>10}{'bubble/req ms':>14}{'bubble frac':>12}")
     for planner, (real, sim) in results.items():
         print(row(f"real {planner}", real))
         print(row(f"sim {planner}", sim))
+    for planner, (real, sim) in results.items():
+        print("\n".join(cause_table(planner, real, sim)))
     (rs, ss), (ro, so) = results["sarathi"], results["orca-best"]
     for label, a, b in (("real", rs, ro), ("sim", ss, so)):
         frac = b["bubble_fraction"] / a["bubble_fraction"] if a["bubble_fraction"] else float("inf")

@@ -58,21 +58,37 @@ def tiny(**overrides):
     return load_config("tiny", pp=2, executor="ray", threads_per_worker=1, **overrides)
 
 
-def test_report_of_a_real_run_has_a_bubble_for_every_request():
+def test_real_and_simulated_runs_split_every_stage_by_cause():
+    """The same tiny workload on the real Ray pipeline and on the simulator: both reports
+    carry every cause on every stage, the parts add up to each stage's wall time, and both
+    see the same kinds of stall: stage 1 waits for stage 0 (upstream, the fill at least),
+    stage 0 waits for sampled tokens (dependency: decodes need the last stage's token)."""
+    from pp_runtime.simulate import simulate
+
     cfg = tiny(**{"workload.kind": "fixed", "workload.num_requests": 6, "prompt_len": 40,
                   "output_len": 5})
     t0 = time.perf_counter()
     run = run_workload(cfg)
     wall = time.perf_counter() - t0
-    report, _ = build_report(run)
-    s = report["summary"]
-    assert s["executor"] == "ray" and s["finish_reasons"] == {"length": 6}
-    assert all("bubble_s" in r and r["num_microbatches"] > 0 for r in report["requests"])
-    assert [st["stage"] for st in s["per_stage"]] == [0, 1]
-    for st in s["per_stage"]:  # busy + transfer + bubble + idle = the stage's wall time
-        assert st["busy_s"] + st["transfer_s"] + st["bubble_s"] + st["idle_s"] == pytest.approx(st["wall_s"])
-        assert 0 < st["wall_s"] <= wall
-    assert s["per_stage"][1]["bubble_s"] > 0  # stage 1 waits for stage 0 at least once (fill)
+    reports = {"real": build_report(run), "sim": build_report(simulate(cfg, progress=False))}
+    assert reports["real"]["summary"]["executor"] == "ray"
+    for kind, report in reports.items():
+        s = report["summary"]
+        assert s["finish_reasons"] == {"length": 6}, kind
+        assert all(r["num_microbatches"] > 0 for r in report["requests"])
+        assert [st["stage"] for st in s["per_stage"]] == [0, 1]
+        assert set(s["bubble_fraction_by_cause"]) == {"upstream", "downstream", "dependency"}
+        for st in s["per_stage"]:  # busy + transfer + bubble by cause + idle = wall time
+            causes = st["bubble_by_cause_s"]
+            assert set(causes) == {"upstream", "downstream", "dependency"}
+            assert st["busy_s"] + st["transfer_s"] + sum(causes.values()) + st["idle_s"] == \
+                pytest.approx(st["wall_s"])
+        s0, s1 = s["per_stage"]
+        assert s1["bubble_by_cause_s"]["upstream"] > 0, kind
+        assert s0["bubble_by_cause_s"]["dependency"] > 0, kind
+        assert s0["bubble_by_cause_s"]["upstream"] == 0  # stage 0 has no previous stage
+        assert s1["bubble_by_cause_s"]["downstream"] == 0  # the last stage sends nothing
+    assert all(0 < st["wall_s"] <= wall for st in reports["real"]["summary"]["per_stage"])
 
 
 def _run_with_fault(inject, **overrides):
