@@ -1,7 +1,8 @@
 """`pp-runtime`: the command line.
 
-  pp-runtime run      generate on a model (built-in default: GPT-2-small shapes, random
-                      weights) and print one line per micro-batch
+  pp-runtime run      generate on a model and print one line per micro-batch, then the
+                      per-stage table; default: a 2-stage pipeline of Ray actors on
+                      127.0.0.1 (cpu/gpt2_pp2: GPT-2-small shapes, random weights)
   pp-runtime memory   the paper's batch-size formula for a config and device memory
   pp-runtime simulate run a workload on the profile-driven pipeline simulator, write reports
   pp-runtime compare  run several planners / deployments on one workload, print ratios
@@ -58,6 +59,52 @@ def _describe(mb, out) -> str:
     return " | ".join(parts)
 
 
+RUN_DEFAULT_CONFIG = "cpu/gpt2_pp2"  # `run` without --config / --checkpoint: a real pipeline
+
+
+def _run_base_config(args) -> Config:
+    """The config `run` starts from: --config, a checkpoint's shapes (pp=1 unless --set pp),
+    or the default 2-stage Ray pipeline (not `Config()`, which runs in this process)."""
+    if args.checkpoint:
+        from pp_runtime.model.loader import model_config_from_hf, read_hf_config
+
+        model = model_config_from_hf(read_hf_config(args.checkpoint),
+                                     name=Path(args.checkpoint).name)
+        return Config(model=model)  # as LLM.from_pretrained
+    return load_config(args.config or RUN_DEFAULT_CONFIG)
+
+
+def _has_gpus(n: int) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= n
+
+
+def _what_runs(cfg: Config, args) -> str:
+    """One line, printed before anything starts: processes, where, transport, weights."""
+    m, p, rt = cfg.model, cfg.parallel, cfg.runtime
+    executor = rt.executor if rt.executor != "auto" else ("ray" if p.tp * p.pp > 1 else "local")
+    ranks = f"{p.pp} pipeline stage{'s' if p.pp > 1 else ''}"
+    ranks += f" x {p.tp} TP ranks" if p.tp > 1 else ""
+    weights = f"weights from {args.checkpoint}" if args.checkpoint else "random weights"
+    source = (f"checkpoint {args.checkpoint}" if args.checkpoint else
+              f"config {args.config}" if args.config else
+              f"config {RUN_DEFAULT_CONFIG}, the default; --config default runs in this process")
+    if executor != "ray":
+        device = rt.device if rt.device != "auto" else ("cuda" if _has_gpus(1) else "cpu")
+        return f"{ranks} in this process ({device}), {m.name} shapes with {weights} [{source}]"
+    if rt.ray_address is None:  # a local Ray: the executor uses GPUs if there is one per worker
+        gpus = rt.device.startswith("cuda") or (rt.device == "auto" and _has_gpus(p.tp * p.pp))
+        threads = rt.threads_per_worker
+        how = ("NCCL, one GPU each" if gpus else "gloo, CPU" + (
+            f", {threads} torch thread{'s' if threads != 1 else ''} each" if threads else ""))
+        where = f"127.0.0.1 ({how})"
+    else:
+        where = f"the Ray cluster at {rt.ray_address} (NCCL on GPUs, else gloo)"
+    return (f"{ranks} as {p.tp * p.pp} Ray actor{'s' if p.tp * p.pp > 1 else ''} on {where}, "
+            f"{m.name} shapes with {weights} [{source}]")
+
+
 def cmd_run(args) -> int:
     from pp_runtime.llm import LLM  # torch is imported only by commands that need it
     from pp_runtime.telemetry.recorder import RunRecorder
@@ -69,11 +116,10 @@ def cmd_run(args) -> int:
     overrides = _parse_overrides(args.set)
     if args.planner:
         overrides["planner"] = args.planner
-    if args.checkpoint:
-        llm = LLM.from_pretrained(args.checkpoint, **overrides)
-    else:
-        llm = LLM(load_config(args.config, **overrides) if args.config
-                  else Config().with_overrides(**overrides))
+    base = _run_base_config(args)
+    cfg = base.with_overrides(**overrides) if overrides else base.validate()
+    print(_what_runs(cfg, args), flush=True)
+    llm = LLM(cfg, checkpoint=args.checkpoint)
     cfg = llm.config
     m, p = cfg.model, cfg.parallel
     print(f"model {m.name} ({m.family}, {m.num_layers} layers, hidden {m.hidden_size}, "
@@ -118,16 +164,19 @@ def cmd_run(args) -> int:
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     out_dir = Path(args.out or f"runs/run-{m.name}-{cfg.planner.planner}")
     report = write_report(RunResult(cfg, executor, outputs, [rec], elapsed), out_dir)
-    print(f"\n{format_summary(report)}\n  reports and plots in {out_dir}/")
+    print(f"\n{n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s "
+          f"({(n_in + n_out) / elapsed:.0f} tok/s); reports and plots in {out_dir}/")
+    print(f"\n{format_summary(report)}")  # last: the run ends with the per-stage table
     if failed:
         raise failed
-    print(f"\n{n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s "
-          f"({(n_in + n_out) / elapsed:.0f} tok/s)")
     return 0
 
 
 def _run_config_workload(args) -> int:
-    """`run --workload`: the config's workload section on the real runtime, like simulate."""
+    """`run --workload`: the config's workload section on the real runtime, like simulate
+    (without --config: the default 2-stage pipeline's workload)."""
+    if not args.config and not args.checkpoint:
+        args.config = RUN_DEFAULT_CONFIG
     report = _workload_report(args, _run_to, "run", "ran")
     return 1 if report["summary"]["finish_reasons"].get("error") else 0
 
@@ -259,14 +308,23 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    def common(sp):
-        sp.add_argument("--config", help="YAML config (path or shipped name); default: built-in")
+    def common(sp, default="built-in"):
+        sp.add_argument("--config", help=f"YAML config (path or shipped name); default: {default}")
         sp.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a config field, e.g. --set chunk_size=64 (repeatable)")
 
-    run = sub.add_parser("run", help="generate and print one line per micro-batch")
-    common(run)
-    run.add_argument("--checkpoint", help="Hugging Face-format model directory")
+    run = sub.add_parser("run", help="generate on a pipeline: one line per micro-batch, then "
+                                     "the per-stage table",
+                         description="Generate for random prompts and print one line per "
+                                     "micro-batch, the requests, and the report's summary ending "
+                                     "with the per-stage table (busy, transfer, bubble by cause, "
+                                     "idle). Without --config or --checkpoint it runs "
+                                     f"{RUN_DEFAULT_CONFIG}: 2 pipeline stages as Ray actors on "
+                                     "127.0.0.1 (gloo on a CPU, NCCL with a GPU per stage), "
+                                     "GPT-2-small shapes with random weights.")
+    common(run, f"{RUN_DEFAULT_CONFIG} (2 Ray stage actors); 'default' = all in this process")
+    run.add_argument("--checkpoint", help="Hugging Face-format model directory (pp=1 in this "
+                                          "process unless --set pp=N)")
     run.add_argument("--requests", type=int, default=None, help="requests (default 8)")
     run.add_argument("--min-prompt", type=int, default=32)
     run.add_argument("--max-prompt", type=int, default=600)

@@ -1,6 +1,9 @@
-"""The command line: the README's main job on a small config, and clean errors."""
+"""The command line: the README's main job, a small config, and clean errors."""
+import json
 import subprocess
 import sys
+
+from pp_runtime.telemetry.report import format_summary, read_report
 
 
 def cli(*args):
@@ -8,16 +11,39 @@ def cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
-def test_run_prints_one_line_per_microbatch_and_every_request():
+def test_run_without_arguments_is_a_two_stage_ray_pipeline(tmp_path):
+    # the README's first command, shortened: no --config, so the default deployment
+    # (cpu/gpt2_pp2: GPT-2-small shapes, 2 stages as Ray actors on 127.0.0.1, gloo)
+    r = cli("run", "--requests", "2", "--max-prompt", "300", "--max-tokens", "4",
+            "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("2 pipeline stages as 2 Ray actors on 127.0.0.1 (gloo, CPU")
+    assert "gpt2-small shapes with random weights" in lines[0]
+    assert "on ray (2 actors, gloo)" in lines[1] and "pp=2" in lines[1]
+    s = json.loads((tmp_path / "report.json").read_text())["summary"]
+    assert s["executor"] == "ray" and s["deployment"]["pp"] == 2 and s["deployment"]["tp"] == 1
+    assert s["deployment"]["model"] == "gpt2-small"
+    assert len(s["per_stage"]) == 2 and [p["stage"] for p in s["per_stage"]] == [0, 1]
+    assert s["finish_reasons"] == {"length": 2}
+    # the run ends with the report's summary (and its per-stage table), nothing after it
+    assert r.stdout.rstrip().endswith(format_summary(read_report(tmp_path)).rstrip())
+
+
+def test_run_prints_one_line_per_microbatch_and_every_request(tmp_path):
     r = cli("run", "--config", "tiny", "--requests", "3", "--max-prompt", "70",
-            "--max-tokens", "4", "--set", "pp=2")
+            "--max-tokens", "4", "--set", "pp=2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     mb_lines = [line for line in lines if line.startswith("mb ")]
     assert mb_lines and "prefill r0 [0:" in mb_lines[0]
     assert any("decodes (kv" in line and "prefill" in line for line in mb_lines)  # piggybacked
     assert sum(" length " in line for line in lines) == 3
-    assert "pp=2" in lines[0] and "tok/s" in lines[-1]
+    assert lines[0].startswith("2 pipeline stages as 2 Ray actors") and "pp=2" in lines[1]
+    tok = next(i for i, line in enumerate(lines) if "tok/s" in line)
+    assert tok > lines.index(mb_lines[-1]) and str(tmp_path) in lines[tok]
+    # the summary comes last, after the requests and the token count
+    assert r.stdout.rstrip().endswith(format_summary(read_report(tmp_path)).rstrip())
 
 
 def test_bad_override_is_a_clear_error():
