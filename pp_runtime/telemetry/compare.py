@@ -2,7 +2,8 @@
 
 Runs are compared on the same workload (the same `workload` section and seed), so the
 ratios are of one run against another in the same process, not against numbers from
-another day. Writes `comparison.json`, `bubble_cdf.png` and `completions.png`.
+another day. The table has the bubble fraction and its split by cause (docs/bubbles.md).
+Writes `comparison.json`, `bubble_cdf.png`, `completions.png` and `bubble_by_cause.png`.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ COLUMNS = [  # (header, summary getter, format)
     ("bubble/req median s", lambda s: s["bubble_per_request_s"]["median"], "{:.3f}"),
     ("bubble/req p99 s", lambda s: s["bubble_per_request_s"]["p99"], "{:.3f}"),
     ("bubble frac", lambda s: s["bubble_fraction"], "{:.1%}"),
+    ("upstream", lambda s: s.get("bubble_fraction_by_cause", {}).get("upstream", 0.0), "{:.1%}"),
+    ("downstream", lambda s: s.get("bubble_fraction_by_cause", {}).get("downstream", 0.0), "{:.1%}"),
+    ("dependency", lambda s: s.get("bubble_fraction_by_cause", {}).get("dependency", 0.0), "{:.1%}"),
     ("TTFT median s", lambda s: s["ttft_s"]["median"], "{:.2f}"),
     ("TBT median ms", lambda s: s["tbt_s"]["median"] * 1e3, "{:.1f}"),
 ]
