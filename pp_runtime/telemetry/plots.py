@@ -187,7 +187,8 @@ def bubble_cdf_figure(run_dirs: list[Path]):
     if any(zeros):
         ax.axvline(floor, color="grey", ls=":", lw=1)
         xlabel += f"\nrequests with 0 bubble are drawn on the dotted line ({floor:.2g} s)"
-    ax.set(xscale="log", xlim=(floor / 1.5, None), ylim=(0, 1.02), xlabel=xlabel,
+    right = positive.max() * 1.5 if positive.size else floor * 10  # all zero: a visible span
+    ax.set(xscale="log", xlim=(floor / 1.5, right), ylim=(0, 1.02), xlabel=xlabel,
            ylabel="fraction of requests", title="Bubble time per request (CDF)")
     ax.grid(alpha=0.3, which="both")
     return fig

@@ -177,11 +177,12 @@ def stage_table(per_stage: list[dict], indent: str = "  ") -> list[str]:
     cols = ["busy", "transfer", *CAUSES, "idle"]
     head = f"{indent}{'stage':>7} {'wall':>10}" + "".join(f" {c:>18}" for c in cols)
     lines = [head]
+    replicas = any(st.get("replica") for st in per_stage)
     for st in per_stage[:STAGE_TABLE_ROWS]:
         by = st.get("bubble_by_cause_s", {})
         vals = [st["busy_s"], st["transfer_s"], *(by.get(c, 0.0) for c in CAUSES), st["idle_s"]]
         wall = st["wall_s"]
-        name = f"{st['replica']}.{st['stage']}" if st.get("replica") else str(st["stage"])
+        name = f"r{st['replica']} s{st['stage']}" if replicas else str(st["stage"])
         lines.append(f"{indent}{name:>7} {_t(wall):>10}" + "".join(
             f" {_t(v):>10} {v / wall if wall > 0 else 0.0:>6.1%}" for v in vals))
     if len(per_stage) > STAGE_TABLE_ROWS:
