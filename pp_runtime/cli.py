@@ -259,6 +259,7 @@ def _run_specs(args) -> list[tuple[str, str | None]]:
 
 def cmd_compare(args) -> int:
     from pp_runtime.telemetry.compare import compare_runs
+    from pp_runtime.telemetry.report import format_summary
 
     out = Path(args.out or "runs/compare")
     runs = []
@@ -268,7 +269,8 @@ def cmd_compare(args) -> int:
         print(f"== {label}: {cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
               f"dp={cfg.parallel.dp}, B={cfg.planner.max_batch_size}, "
               f"{cfg.workload.num_requests} requests", flush=True)
-        (_simulate_to if args.simulate else _run_to)(cfg, out / label, not args.quiet)
+        report = (_simulate_to if args.simulate else _run_to)(cfg, out / label, not args.quiet)
+        print("\n".join(format_summary(report).splitlines()[1:]), flush=True)  # what == named
         runs.append(out / label)
     print(compare_runs(runs, out))
     return 0
