@@ -54,6 +54,12 @@ def test_torchrun_and_ray_give_the_same_tokens_and_reports(tmp_path, tp, pp):
     assert (ra["summary"]["executor"], rb["summary"]["executor"]) == ("torchrun", "ray")
     assert set(ra["summary"]) == set(rb["summary"])
     assert [st["stage"] for st in ra["summary"]["per_stage"]] == list(range(pp))
+    for st in ra["summary"]["per_stage"]:  # the same rule, every cause (docs/bubbles.md)
+        causes = st["bubble_by_cause_s"]
+        assert set(causes) == {"upstream", "downstream", "dependency"}
+        assert st["busy_s"] + st["transfer_s"] + sum(causes.values()) + st["idle_s"] == \
+            pytest.approx(st["wall_s"])
+    assert ra["summary"]["per_stage"][0]["bubble_by_cause_s"]["dependency"] > 0
     assert all(r["bubble_s"] >= 0 and r["num_microbatches"] > 0 for r in ra["requests"])
     names = {p.name for p in (tmp_path / "torchrun").iterdir()}
     assert names == {p.name for p in (tmp_path / "ray").iterdir()}
