@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # The torchrun command for an N-node run without Slurm: run this same line on every node.
+# It runs torchrun through `python -m pp_runtime.launch.agent`, which binds torchrun's two
+# stores (the c10d rendezvous, the workers' bootstrap store) to MASTER_ADDR / LOCAL_ADDR
+# instead of every interface (docs/distributed.md).
 #
 #   NNODES=2 NPROC_PER_NODE=8 MASTER_ADDR=10.0.0.1 CONFIG=my_tp8_pp2.yaml \
 #       launch/torchrun_multinode.sh --set chunk_size=512        # on each of the 2 nodes
@@ -8,8 +11,11 @@
 # NNODES         nodes taking part (default 1)
 # NPROC_PER_NODE ranks per node (default: the config's tp * pp / NNODES; set it when --set
 #                changes tp or pp); one per GPU on GPU nodes
-# MASTER_ADDR    address of the node hosting the c10d rendezvous (default 127.0.0.1: one machine)
+# MASTER_ADDR    IP address of the node hosting the c10d rendezvous, on the cluster network
+#                (default 127.0.0.1: one machine, nothing reachable from outside)
 # MASTER_PORT    its port (default 29500); open between the nodes, closed to the outside
+# LOCAL_ADDR     this node's IP address on the cluster network, where its bootstrap store
+#                listens if it gets rank 0 (default: the address it reaches MASTER_ADDR from)
 # CONFIG         pp-runtime config, shipped name or YAML path (default cpu/gpt2_pp2)
 # OUT            report directory (default: the launcher's)
 # RDZV_ID        rendezvous id, the same on every node, different per run (default pp-runtime)
@@ -38,7 +44,8 @@ fi
 args=(--nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --rdzv-backend=c10d
       --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID")
 if [[ -n ${IS_HOST:-} ]]; then args+=(--rdzv-conf="is_host=$IS_HOST"); fi
+if [[ -n ${LOCAL_ADDR:-} ]]; then args+=(--local-addr="$LOCAL_ADDR"); fi
 launcher=(--config "$CONFIG")
 if [[ -n ${OUT:-} ]]; then launcher+=(--out "$OUT"); fi
 set -x
-exec torchrun "${args[@]}" -m pp_runtime.launch.torchrun "${launcher[@]}" "$@"
+exec python -m pp_runtime.launch.agent "${args[@]}" -m pp_runtime.launch.torchrun "${launcher[@]}" "$@"

@@ -19,8 +19,9 @@ import yaml
 
 FAMILIES = ("gpt", "llama")
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
+AUTO_DTYPE = "auto"  # model.dtype: the checkpoint's dtype on a GPU, float32 on a CPU
 PLANNERS = ("sarathi", "orca-best", "orca-worst", "request-level", "vllm", "uniform")
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # shipped configs, inside the package
 
 
 from pp_runtime.errors import CheckpointError, ConfigError  # noqa: F401  (re-exported)
@@ -38,7 +39,11 @@ class ModelConfig:
     ffn_size: int | None = None  # FFN inner width; None = 4 * hidden_size
     vocab_size: int = 50257  # token ids are in [0, vocab_size)
     max_positions: int = 1024  # longest sequence (prompt + output) in tokens
-    dtype: str = "float32"  # float32 on CPU (bf16 is ~8x slower there); float16/bfloat16 on GPU
+    dtype: str = "float32"  # float32, float16, bfloat16, or "auto" (`dtype_for`): the
+    #                         checkpoint's dtype on a GPU, float32 on a CPU (bf16 is ~8x
+    #                         slower there); from_pretrained sets "auto"
+    checkpoint_dtype: str | None = None  # what the checkpoint was saved in (config.json's
+    #                                      torch_dtype, or dtype); None = unknown or random
     norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base (llama only)
     activation: str | None = None  # None = family default: gelu_new (gpt), silu (llama)
@@ -70,9 +75,22 @@ class ModelConfig:
     def tied(self) -> bool:
         return self.family == "gpt" if self.tie_embeddings is None else self.tie_embeddings
 
+    def dtype_for(self, device_type: str) -> str:
+        """The dtype the weights and KV cache get on a device of this type ("cuda", "cpu"):
+        an explicit `dtype` always; "auto" is float32 on a CPU and, on a GPU, the
+        checkpoint's float16 or bfloat16, else bfloat16 (a float32 or unknown checkpoint
+        is served in bfloat16: fp32's range at half the bytes, as vLLM's "auto" halves it)."""
+        if self.dtype != AUTO_DTYPE:
+            return self.dtype
+        if device_type != "cuda":
+            return "float32"
+        return self.checkpoint_dtype if self.checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
+
     @property
     def dtype_bytes(self) -> int:
-        return DTYPES[self.dtype]
+        """Bytes per element of the weights and KV; for "auto", on a GPU (what the
+        simulator and the paper's formula price)."""
+        return DTYPES[self.dtype_for("cuda")]
 
     def num_params(self) -> int:
         """Parameter count (embeddings, layers, final norm, untied LM head)."""
@@ -244,8 +262,10 @@ def validate(cfg: Config) -> None:
     m, p, c, pl, rt, hw = cfg.model, cfg.parallel, cfg.cache, cfg.planner, cfg.runtime, cfg.hardware
     _check(m.family in FAMILIES, "model.family", f"unknown model family {m.family!r}",
            f"use one of {', '.join(FAMILIES)}")
-    _check(m.dtype in DTYPES, "model.dtype", f"unknown dtype {m.dtype!r}",
-           f"use one of {', '.join(DTYPES)}")
+    _check(m.dtype in DTYPES or m.dtype == AUTO_DTYPE, "model.dtype", f"unknown dtype {m.dtype!r}",
+           f"use {AUTO_DTYPE} or one of {', '.join(DTYPES)}")
+    _check(m.checkpoint_dtype is None or m.checkpoint_dtype in DTYPES, "model.checkpoint_dtype",
+           f"unknown dtype {m.checkpoint_dtype!r}", f"use one of {', '.join(DTYPES)} or leave it unset")
     for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_positions"):
         _check(getattr(m, name) >= 1, f"model.{name}", f"must be >= 1, got {getattr(m, name)}",
                "set a positive value")

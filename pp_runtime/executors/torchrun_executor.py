@@ -6,41 +6,47 @@ control channel, also with NCCL for the activations) and then runs rank 0's own 
 work; the other ranks (`serve`) take plans in order, execute them, and send back
 `(token ids or None, StageTiming)`. `wait(mb)` collects those in rank order. Sends on the
 control channel never block (isend), so a rank busy with its stage never stalls another.
+Messages are JSON typed by the dataclasses (`wire.py`), never pickles: a peer that
+reached the unauthenticated rendezvous can send bad data, not code.
 
 A rank that dies takes the job down through torchrun's agent; a rank that hangs makes the
 others fail after the process group's timeout (`runtime.step_timeout_s`).
 """
 from __future__ import annotations
 
-import pickle
-
 import torch
 import torch.distributed as dist
 
+from pp_runtime import wire
 from pp_runtime.batch import MicroBatch, SampledTokens
 from pp_runtime.worker import StageWorker
 
+MAX_MESSAGE_BYTES = 1 << 24  # a plan is ~10 bytes per token; a bigger size is not ours
+
 
 class ControlChannel:
-    """Picklable objects between ranks over a gloo group: a size, then the bytes."""
+    """Typed messages between ranks over a gloo group: a size, then the JSON bytes."""
 
     def __init__(self, group) -> None:
         self.group = group
         self._pending: list = []  # (work, tensors) of sends not known to be done
 
-    def send(self, obj: object, dst: int) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # [n]
+    def send(self, value: object, schema: object, dst: int) -> None:
+        payload = torch.frombuffer(bytearray(wire.encode(value, schema)), dtype=torch.uint8)  # [n]
         size = torch.tensor([payload.numel()], dtype=torch.long)
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
         for t in (size, payload):
             self._pending.append((dist.isend(t, dst=dst, group=self.group), t))
 
-    def recv(self, src: int) -> object:
+    def recv(self, src: int, schema: object) -> object:
         size = torch.empty(1, dtype=torch.long)
         dist.recv(size, src=src, group=self.group)
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        n = int(size.item())
+        if not 0 < n <= MAX_MESSAGE_BYTES:
+            raise wire.WireError(f"control message of {n} bytes from rank {src}")
+        payload = torch.empty(n, dtype=torch.uint8)
         dist.recv(payload, src=src, group=self.group)
-        return pickle.loads(payload.numpy().tobytes())
+        return wire.decode(payload.numpy().tobytes(), schema)
 
     def flush(self) -> None:
         for work, _ in self._pending:
@@ -67,20 +73,21 @@ class TorchrunExecutor:
 
     def submit(self, mb: MicroBatch) -> int:
         for r in range(1, self.world):
-            self.ctrl.send(mb, r)
+            self.ctrl.send(mb, wire.PLAN, r)
         out, timing = self.worker.execute(mb)
         self._own[mb.mb_id] = (_result(self.worker, out), timing)
         return mb.mb_id
 
     def wait(self, mb_id: int) -> SampledTokens:
-        results = [self._own.pop(mb_id)] + [self.ctrl.recv(r) for r in range(1, self.world)]
+        results = [self._own.pop(mb_id)] + [self.ctrl.recv(r, wire.RESULT)
+                                          for r in range(1, self.world)]
         return SampledTokens(mb_id, results[self.last][0], tuple(t for _, t in results))
 
     def shutdown(self) -> None:
         """Tell every other rank to stop (they leave `serve`)."""
         if self.world:
             for r in range(1, self.world):
-                self.ctrl.send(None, r)
+                self.ctrl.send(None, wire.PLAN, r)
             self.ctrl.flush()
             self.world = 0
 
@@ -89,9 +96,9 @@ def serve(worker: StageWorker, ctrl: ControlChannel) -> int:
     """A rank other than 0: execute plans from rank 0 in order until told to stop;
     returns how many micro-batches it ran."""
     n = 0
-    while (mb := ctrl.recv(0)) is not None:
+    while (mb := ctrl.recv(0, wire.PLAN)) is not None:
         out, timing = worker.execute(mb)
-        ctrl.send((_result(worker, out), timing), 0)
+        ctrl.send((_result(worker, out), timing), wire.RESULT, 0)
         n += 1
     if worker.link is not None:
         worker.link.flush()

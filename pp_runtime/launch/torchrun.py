@@ -1,7 +1,11 @@
 """One torchrun process of a deployment: `torchrun ... -m pp_runtime.launch.torchrun`.
 
-    torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        -m pp_runtime.launch.torchrun --config FILE [--planner P] [--requests N] [--out DIR]
+    python -m pp_runtime.launch.agent --nnodes N --nproc-per-node G --rdzv-backend c10d \\
+        --rdzv-endpoint IP:PORT -m pp_runtime.launch.torchrun --config FILE [--planner P] \\
+        [--requests N] [--out DIR]
+
+(`launch/agent.py` is torchrun with its stores bound to one address; plain `torchrun`
+runs this module the same way.)
 
 World size must be tp * pp; rank r = stage * tp + tp_rank (torchrun's RANK), so with G
 processes per node a node holds G consecutive ranks: keep G a multiple of tp and a stage's
@@ -13,7 +17,9 @@ boundary where torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*) i
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +53,19 @@ def _device(cfg: Config, local_rank: int) -> torch.device:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     return device
+
+
+def keep_on_loopback(master_addr: str) -> None:
+    """With a loopback MASTER_ADDR (one machine), gloo and NCCL listen on the loopback
+    interface too, as `parallel/groups.py` does for the Ray executor; set variables win."""
+    try:
+        loopback = ipaddress.ip_address(master_addr).is_loopback
+    except ValueError:
+        loopback = master_addr == "localhost"
+    lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback and lo:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
 
 
 def run_rank(cfg: Config, rank: int, world: int, local_rank: int, local_world: int,
@@ -96,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args.config, args, args.planner)
         cfg = cfg.with_overrides(executor="torchrun")
         out = Path(args.out or f"runs/torchrun-{cfg.model.name}-{cfg.planner.planner}")
+        keep_on_loopback(env.get("MASTER_ADDR", ""))
         return run_rank(cfg, rank, world, int(env.get("LOCAL_RANK", 0)),
                         int(env.get("LOCAL_WORLD_SIZE", world)), args.checkpoint, out, args.quiet)
     except ConfigError as exc:
