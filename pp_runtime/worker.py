@@ -7,25 +7,29 @@ has process groups (each TP rank receives its 1/tp slice from the same TP rank o
 previous stage and all-gathers it, `parallel/p2p.py`). The last stage computes logits only
 for the rows that sample, gathers them over the vocabulary and samples (TP rank 0 returns
 the token ids). Each call records a `StageTiming`: wait, transfer, compute, and the
-time blocked before its send (the next stage had not taken the previous one).
+time blocked before its send (the next stage had not taken the previous one), as spans
+of the worker's timer (`telemetry/timer.py`: perf_counter on CPU, CUDA events on a GPU).
 """
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from pp_runtime.batch import MicroBatch, SampledTokens, StageTiming
 from pp_runtime.config import Config, stage_layers
-from pp_runtime.device import now, torch_dtype
+from pp_runtime.device import torch_dtype
+from pp_runtime.memory import check_stage_fits
 from pp_runtime.model.attention import BatchLayout
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.loader import load_stage_weights
-from pp_runtime.model.transformer import StageModel
+from pp_runtime.model.transformer import StageModel, materialize
 from pp_runtime.parallel.groups import StageGroups
 from pp_runtime.parallel.layers import TensorParallel, Unsharded
 from pp_runtime.parallel.p2p import StageLink
 from pp_runtime.sampling import sample
+from pp_runtime.telemetry.timer import Op, Timer, device_timer
 
 
 class StageWorker:
@@ -35,16 +39,17 @@ class StageWorker:
         self.cfg, self.stage, self.device = cfg, stage, device
         self.tp_rank = groups.tp_rank if groups else 0
         self.lo, self.hi = stage_layers(m.num_layers, cfg.parallel.pp, stage)
-        dtype = torch_dtype(m.dtype)
+        dtype = torch_dtype(m.dtype_for(device.type))  # "auto": the checkpoint's on a GPU
+        check_stage_fits(cfg, stage, self.tp_rank, dtype.itemsize, device)  # before allocating
         par = (Unsharded() if groups is None
                else TensorParallel(groups.tp_group, groups.tp, groups.tp_rank, dtype))
-        with torch.device(device):
+        with torch.device("meta"):  # shapes only; each tensor is allocated once, below
             model = StageModel(m, self.lo, self.hi, par)
-        model.to(dtype)
+        materialize(model, device, dtype)  # this rank's shard, in its final dtype
         if checkpoint is None:
-            model.init_random(cfg.runtime.seed)
+            model.init_random(cfg.runtime.seed)  # draws only this rank's shard
         else:
-            load_stage_weights(model, checkpoint)
+            load_stage_weights(model, checkpoint)  # reads only this rank's slices
         self.model = model.eval().requires_grad_(False)
         self.cache = KVCache.for_stage(cfg, self.hi - self.lo, dtype, device)
         self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None
@@ -65,27 +70,37 @@ class StageWorker:
             x = self.input_ids(mb)
         return self.model(x, self.cache, layout), layout
 
+    @cached_property
+    def timer(self) -> Timer:
+        """Times every call (made on the first: on CUDA it synchronizes once to anchor)."""
+        return device_timer(self.device)
+
     @torch.inference_mode()
     def execute(self, mb: MicroBatch, x: torch.Tensor | None = None):
         """Returns (hidden states, timing) on inner stages and (SampledTokens, timing) on
-        the last stage; with process groups the hidden states have already been sent on."""
-        wait_s = transfer_s = 0.0
+        the last stage; with process groups the hidden states have already been sent on.
+
+        Timing: spans RECV_WAIT, TRANSFER (`link.recv`), COMPUTE, SEND_WAIT (`link.send`).
+        On CUDA nothing waits while they are recorded; `resolve()` at the end waits for
+        this stream's last span only (never for the send just posted, which runs on NCCL's
+        stream), so the call's own timing comes back with it and none is held over."""
+        rec = self.timer.record()
         if self.link is not None and not self.model.is_first:
-            x, wait_s, transfer_s = self.link.recv(mb)
-        start = now(self.device)
-        hidden, layout = self.forward(mb, x)
-        out = hidden
-        if self.is_last:
-            seqs = [s for s in mb.seqs if s.sampling is not None]
-            logits = self.model.logits(hidden[layout.sample_rows])  # [num_sampling, vocab]
-            tokens = {}
-            if self.tp_rank == 0:  # every rank holds the same logits; one samples
-                ids = sample(logits, [s.sampling for s in seqs], [s.kv_len for s in seqs])
-                tokens = {s.request_id: t for s, t in zip(seqs, ids)}
-            out = SampledTokens(mb.mb_id, tokens)
-        end = now(self.device)
-        send_wait_s = 0.0
+            x = self.link.recv(mb, rec)
+        with rec.span(Op.COMPUTE):
+            hidden, layout = self.forward(mb, x)
+            out = hidden
+            if self.is_last:
+                seqs = [s for s in mb.seqs if s.sampling is not None]
+                logits = self.model.logits(hidden[layout.sample_rows])  # [num_sampling, vocab]
+                tokens = {}
+                if self.tp_rank == 0:  # every rank holds the same logits; one samples
+                    ids = sample(logits, [s.sampling for s in seqs], [s.kv_len for s in seqs])
+                    tokens = {s.request_id: t for s, t in zip(seqs, ids)}
+                out = SampledTokens(mb.mb_id, tokens)
         if self.link is not None and not self.is_last:
-            send_wait_s = self.link.send(mb, hidden)
-        return out, StageTiming(mb.mb_id, self.stage, self.tp_rank, wait_s, transfer_s, start, end,
-                                send_wait_s)
+            self.link.send(mb, hidden, rec)
+        spans = rec.resolve()
+        start, end = spans[Op.COMPUTE]
+        return out, StageTiming(mb.mb_id, self.stage, self.tp_rank, spans.seconds(Op.RECV_WAIT),
+                                spans.seconds(Op.TRANSFER), start, end, spans.seconds(Op.SEND_WAIT))

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from pp_runtime.batch import MicroBatch, SeqChunk
 from pp_runtime.config import Config
-from pp_runtime.device import now, resolve_device, torch_dtype
+from pp_runtime.device import resolve_device, torch_dtype
 from pp_runtime.errors import ConfigError
 from pp_runtime.model.attention import (BatchLayout, decode_attention, decode_attention_views,
                                         prefill_attention, rope)
@@ -46,6 +46,7 @@ from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.transformer import DecoderLayer, StageModel
 from pp_runtime.parallel.layers import LocalShard
 from pp_runtime.costmodel.p2p import measure_send_recv
+from pp_runtime.telemetry.timer import Op, Timer, device_timer
 
 MLP_OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
            "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add",
@@ -147,28 +148,24 @@ def op_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 
 
 # ---- timing -------------------------------------------------------------------------------
-def _timed_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds of one call, until the device has finished it (CUDA events on GPU)."""
-    if device.type != "cuda":
-        t0 = now(device)
+def _timed_ms(fn: Callable[[], object], timer: Timer) -> float:
+    """Milliseconds of one call, until the device has finished it: the runtime's own timer
+    (`telemetry/timer.py`: CUDA events on GPU, perf_counter on CPU)."""
+    rec = timer.record()
+    with rec.span(Op.COMPUTE):
         fn()
-        return (now(device) - t0) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return rec.resolve().seconds(Op.COMPUTE) * 1e3
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, effort: Effort) -> float:
     """Median milliseconds of `fn` after warm-up; the first call also sizes the repeats."""
-    first = _timed_ms(fn, device)
+    timer = device_timer(device)
+    first = _timed_ms(fn, timer)
     for _ in range(effort.warmup - 1):
         fn()
     fits = int(effort.budget_s * 1e3 / max(first, 1e-3))
     repeats = min(effort.max_repeats, max(effort.min_repeats, fits))
-    return statistics.median(_timed_ms(fn, device) for _ in range(repeats))
+    return statistics.median(_timed_ms(fn, timer) for _ in range(repeats))
 
 
 # ---- mlp.csv ------------------------------------------------------------------------------

@@ -4,10 +4,17 @@ Placement: one placement-group bundle per stage holding its tp workers (a bundle
 spans nodes, so a stage's TP group is packed on one node and its all-reduces stay on
 NVLink), bundles spread over nodes (SPREAD). Rank r = stage * tp + tp_rank.
 
-For every micro-batch the driver submits `execute(mb)` to every actor in rank order; Ray
-runs an actor's calls in submission order, so point-to-point pairs always match and up to
-pp micro-batches overlap in the pipeline. `wait` collects one result per actor: token ids
-from TP rank 0 of the last stage, a `StageTiming` from everyone.
+Device and backend are decided once, here on the driver (`ray_device`): CUDA + NCCL when
+the cluster has a GPU per worker (device auto) or the config says cuda, else CPU + gloo.
+Each actor is given that device; Ray shows an actor with `num_gpus=1` only its own GPU,
+as cuda:0, so `device: cuda:N` is rejected. After the process groups are up every rank
+warms its communicators up (`parallel/p2p.warm_up`) before the first micro-batch.
+
+For every micro-batch the driver puts the `MicroBatch` in Ray's object store once and
+submits `execute(ref)` to every actor in rank order; Ray runs an actor's calls in
+submission order, so point-to-point pairs always match and up to pp micro-batches overlap
+in the pipeline. `wait` collects one result per actor: token ids from TP rank 0 of the
+last stage, a `StageTiming` from everyone.
 
 Faults: an actor that dies, a call that raises, or a rank that does not finish within
 `runtime.step_timeout_s` (or `startup_timeout_s` while starting) raises `WorkerFailed`
@@ -23,14 +30,15 @@ from pathlib import Path
 
 from pp_runtime.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config
-from pp_runtime.errors import WorkerFailed
+from pp_runtime.errors import ConfigError, WorkerFailed
 from pp_runtime.parallel.groups import DistSpec, free_port
 
 
 class StageActor:
-    """The body of one Ray actor: a `StageWorker` for (stage, tp_rank) in its own process."""
+    """The body of one Ray actor: a `StageWorker` for (stage, tp_rank) in its own process,
+    on the device the driver decided ("cuda": the one GPU Ray gave it, or "cpu")."""
 
-    def __init__(self, cfg: Config, stage: int, tp_rank: int, checkpoint: str | None):
+    def __init__(self, cfg: Config, stage: int, tp_rank: int, checkpoint: str | None, device: str):
         import torch
 
         from pp_runtime.device import resolve_device
@@ -39,7 +47,7 @@ class StageActor:
         torch.set_num_threads(cfg.runtime.threads_per_worker
                               or max(1, (os.cpu_count() or 1) // workers_here))
         self.cfg, self.stage, self.tp_rank, self.checkpoint = cfg, stage, tp_rank, checkpoint
-        self.device = resolve_device(cfg.runtime.device)
+        self.device = resolve_device(device)  # raises if Ray gave this actor no GPU
         self.worker = None
 
     def rendezvous_address(self, local: bool) -> tuple[str, int]:
@@ -49,13 +57,17 @@ class StageActor:
         addr = "127.0.0.1" if local else ray.util.get_node_ip_address()
         return addr, free_port(addr)
 
-    def start(self, spec: DistSpec) -> bool:
+    def start(self, spec: DistSpec) -> list[str]:
+        """Join the process group, warm its communicators up, build the worker; returns
+        what the warm-up exchanged (`parallel/p2p.warm_up`)."""
         from pp_runtime.parallel.groups import init_distributed
+        from pp_runtime.parallel.p2p import warm_up
         from pp_runtime.worker import StageWorker
 
         groups = init_distributed(spec, self.stage * spec.tp + self.tp_rank)
+        warmed = warm_up(groups, self.device)
         self.worker = StageWorker(self.cfg, self.stage, self.device, self.checkpoint, groups)
-        return True
+        return warmed
 
     def execute(self, mb: MicroBatch):
         out, timing = self.worker.execute(mb)
@@ -83,6 +95,7 @@ class RayExecutor:
         self.cfg, self.ray = cfg, ray
         p, rt = cfg.parallel, cfg.runtime
         self.tp, self.pp = p.tp, p.pp
+        _check_device(rt.device)  # before anything starts
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             start_ray(rt.ray_address, p.tp * p.pp)
@@ -97,11 +110,16 @@ class RayExecutor:
 
     # ---- startup ---------------------------------------------------------------------
     def _start(self, checkpoint) -> None:
+        import torch
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from pp_runtime.device import dist_backend
+
         ray, cfg, rt = self.ray, self.cfg, self.cfg.runtime
-        gpus = self.gpus = 1 if _uses_cuda(cfg, ray) else 0
+        self.device = ray_device(cfg, ray.cluster_resources())  # the one decision
+        self.backend = dist_backend(torch.device(self.device))
+        gpus = 1 if self.device == "cuda" else 0
         bundle = {"CPU": self.tp, **({"GPU": self.tp} if gpus else {})}
         pg = placement_group([dict(bundle) for _ in range(self.pp)], strategy="SPREAD")
         self._pgs.append(pg)
@@ -116,21 +134,24 @@ class RayExecutor:
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=stage)
             for r in range(self.tp):
                 self.actors.append(actor_cls.options(
-                    num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy).remote(cfg, stage, r, ckpt))
+                    num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy
+                ).remote(cfg, stage, r, ckpt, self.device))
         local = rt.ray_address is None
         addr, port = self._gather([self.actors[0].rendezvous_address.remote(local)],
                                   rt.startup_timeout_s, "finding a rendezvous address")[0]
         spec = DistSpec(rt.dist_addr or addr, rt.dist_port or port, self.tp, self.pp,
-                        "nccl" if gpus else "gloo", rt.step_timeout_s)
-        self._gather([a.start.remote(spec) for a in self.actors], rt.startup_timeout_s,
-                     "joining the process group and loading weights")
+                        self.backend, rt.step_timeout_s)
+        self.warm_ups = self._gather([a.start.remote(spec) for a in self.actors],
+                                     rt.startup_timeout_s,
+                                     "joining the process group and loading weights")
 
     # ---- the executor interface --------------------------------------------------------
     def describe(self) -> str:
-        return f"ray ({len(self.actors)} actors, {'nccl' if self.gpus else 'gloo'})"
+        return f"ray ({len(self.actors)} actors, {self.backend})"
 
     def submit(self, mb: MicroBatch) -> tuple[int, list]:
-        return mb.mb_id, [a.execute.remote(mb) for a in self.actors]
+        ref = self.ray.put(mb)  # pickled once; every actor reads the same object
+        return mb.mb_id, [a.execute.remote(ref) for a in self.actors]
 
     def wait(self, handle: tuple[int, list]) -> SampledTokens:
         mb_id, refs = handle
@@ -204,12 +225,21 @@ def start_ray(address: str | None, workers: int) -> None:
              _node_ip_address="127.0.0.1", log_to_driver=False)
 
 
-def _uses_cuda(cfg: Config, ray) -> bool:
-    """device auto: CUDA when the cluster has a GPU per worker (the driver may have none)."""
+def _check_device(device: str) -> None:
+    if device.startswith("cuda:"):
+        raise ConfigError(f"runtime.device: {device!r} cannot work under Ray: each Ray actor "
+                          "sees its GPU as cuda:0; use device: cuda or auto")
+
+
+def ray_device(cfg: Config, cluster_resources: dict) -> str:
+    """The device of every actor, "cuda" or "cpu", decided once on the driver (which may
+    have no GPU itself): device auto means CUDA when the cluster has a GPU per worker."""
     dev = cfg.runtime.device
+    _check_device(dev)
     if dev == "auto":
-        return ray.cluster_resources().get("GPU", 0) >= cfg.parallel.tp * cfg.parallel.pp
-    return dev.startswith("cuda")
+        gpus = cluster_resources.get("GPU", 0)
+        return "cuda" if gpus >= cfg.parallel.tp * cfg.parallel.pp else "cpu"
+    return dev
 
 
 def _first_line(exc: BaseException) -> str:

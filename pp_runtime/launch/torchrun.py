@@ -72,6 +72,7 @@ def run_rank(cfg: Config, rank: int, world: int, local_rank: int, local_world: i
              checkpoint: str | None, out: Path, quiet: bool) -> int:
     from pp_runtime.executors.torchrun_executor import ControlChannel, TorchrunExecutor, serve
     from pp_runtime.parallel.groups import destroy, stage_groups
+    from pp_runtime.parallel.p2p import warm_up
     from pp_runtime.worker import StageWorker
 
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
@@ -86,6 +87,7 @@ def run_rank(cfg: Config, rank: int, world: int, local_rank: int, local_world: i
         groups = stage_groups(tp, pp, rank)
         ctrl = ControlChannel(dist.new_group(list(range(world)), backend="gloo"))
         worker = StageWorker(cfg, groups.stage, device, checkpoint, groups)
+        warm_up(groups, device)  # communicator setup before, not inside, the first bubble
         if rank != 0:
             serve(worker, ctrl)
             return 0

@@ -6,10 +6,22 @@ bytes cross the inter-node link than if every rank sent the whole tensor. Receiv
 their buffers from the micro-batch (T tokens), so no shape message is needed.
 
 A one-element header (the micro-batch id) goes first: the time until it arrives is the
-wait for the previous stage (a bubble), the time from it to the gathered activations is
-the transfer. A blocking receive alone would mix the two. The header also checks that
-both sides agree on which micro-batch this is. On the sending side, the time blocked until
-the next stage took the previous send is back-pressure (`send` returns it).
+wait for the previous stage (a bubble, `Op.RECV_WAIT`), the time from it to the gathered
+activations is the transfer (`Op.TRANSFER`). A blocking receive alone would mix the two.
+The header also checks that both sides agree on which micro-batch this is. On the sending
+side, the time blocked until the next stage took the previous send is back-pressure
+(`Op.SEND_WAIT`). The caller's `SpanRecord` takes the spans (`telemetry/timer.py`):
+
+- gloo (CPU): every wait blocks the host; spans are host times.
+- NCCL (GPU): `recv`, `all_gather` and a send's `work.wait()` return at once and make the
+  current stream wait for NCCL's stream; spans are events on the current stream, so they
+  measure how long the *stream* was held: from being free for this micro-batch until the
+  header had arrived, then until the activations were gathered; after computing, until
+  the previous send had completed. Only the header check (`.item()`) waits on the host,
+  for this stream, never for a send in flight.
+
+`warm_up` exchanges one element with each neighbour before the first micro-batch, so that
+creating NCCL's communicators does not land in the first micro-batch's wait.
 """
 from __future__ import annotations
 
@@ -17,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from pp_runtime.batch import MicroBatch
-from pp_runtime.device import now
 from pp_runtime.parallel.groups import StageGroups
+from pp_runtime.telemetry.timer import Op, SpanRecord
 
 
 class StageLink:
@@ -27,41 +39,70 @@ class StageLink:
         self.width = hidden // groups.tp  # one TP rank's slice of the activations
         self._pending: list = []  # (work, tensor) of sends in flight: tensors kept alive
 
-    def recv(self, mb: MicroBatch) -> tuple[torch.Tensor, float, float]:
-        """The previous stage's activations [T, hidden], wait seconds, transfer seconds."""
-        t0 = now(self.device)
+    def recv(self, mb: MicroBatch, rec: SpanRecord) -> torch.Tensor:
+        """The previous stage's activations [T, hidden]; spans RECV_WAIT and TRANSFER."""
         header = torch.empty(1, dtype=torch.long, device=self.device)
-        dist.recv(header, src=self.g.prev_rank)
-        t1 = now(self.device)
-        if int(header.item()) != mb.mb_id:
-            raise RuntimeError(f"stage {self.g.stage} tp rank {self.g.tp_rank}: expected "
-                               f"micro-batch {mb.mb_id}, the previous stage sent {int(header.item())}")
-        part = torch.empty(mb.num_tokens, self.width, dtype=self.dtype, device=self.device)  # [T, hidden / tp]
-        dist.recv(part, src=self.g.prev_rank)
-        if self.g.tp > 1:
-            parts = [torch.empty_like(part) for _ in range(self.g.tp)]
-            dist.all_gather(parts, part, group=self.g.tp_group)
-            x = torch.cat(parts, dim=1)  # [T, hidden]
-        else:
-            x = part
-        return x, t1 - t0, now(self.device) - t1
+        with rec.span(Op.RECV_WAIT):
+            dist.recv(header, src=self.g.prev_rank)
+        with rec.span(Op.TRANSFER):  # starts where the wait ended, on host and stream alike
+            if (got := int(header.item())) != mb.mb_id:
+                raise RuntimeError(f"stage {self.g.stage} tp rank {self.g.tp_rank}: expected "
+                                   f"micro-batch {mb.mb_id}, the previous stage sent {got}")
+            part = torch.empty(mb.num_tokens, self.width, dtype=self.dtype,
+                               device=self.device)  # [T, hidden / tp]
+            dist.recv(part, src=self.g.prev_rank)
+            if self.g.tp > 1:
+                parts = [torch.empty_like(part) for _ in range(self.g.tp)]
+                dist.all_gather(parts, part, group=self.g.tp_group)
+                return torch.cat(parts, dim=1)  # [T, hidden]
+            return part
 
-    def send(self, mb: MicroBatch, hidden: torch.Tensor) -> float:
+    def send(self, mb: MicroBatch, hidden: torch.Tensor, rec: SpanRecord) -> None:
         """Send this rank's slice of hidden [T, hidden] onward without waiting for it to be
         taken. One send may be outstanding: first wait until the previous micro-batch's send
-        was taken (gloo and NCCL sends complete only when the receiver posts its receive).
-        Returns the seconds blocked on that: back-pressure from the next stage."""
-        t0 = now(self.device)
-        self.flush()
-        blocked = now(self.device) - t0
+        was taken (gloo and NCCL sends complete only when the receiver posts its receive);
+        that wait is the SEND_WAIT span: back-pressure from the next stage."""
+        with rec.span(Op.SEND_WAIT):
+            self.flush()
         part = hidden.narrow(1, self.g.tp_rank * self.width, self.width).contiguous()  # [T, hidden / tp]
-        header = torch.tensor([mb.mb_id], dtype=torch.long, device=self.device)
+        header = torch.full((1,), mb.mb_id, dtype=torch.long, device=self.device)  # no host copy
         for t in (header, part):
             self._pending.append((dist.isend(t, dst=self.g.next_rank), t))
-        return blocked
 
     def flush(self) -> None:
-        """Wait until earlier sends have been taken (their buffers may then be freed)."""
+        """Wait until earlier sends have been taken (their buffers may then be freed). On
+        NCCL the current stream waits, not the host."""
         for work, _ in self._pending:
             work.wait()
         self._pending = []
+
+
+def warm_up(groups: StageGroups, device: torch.device) -> list[str]:
+    """Before the first micro-batch: one all-reduce in this stage's TP group, then one
+    element from the previous stage and one to the next (same TP rank), each checked.
+    NCCL creates a communicator on a group's or a pair's first call, and that can take
+    hundreds of ms; gloo pays little, but runs the same code. Receiving before sending
+    keeps the chain free of deadlock: stage 0 only sends, and stage s receives from s - 1
+    before it sends to s + 1. Returns what was exchanged, e.g. ["all_reduce tp=2",
+    "recv from 0", "send to 4"]."""
+    done = []
+    ones = torch.ones(1, dtype=torch.long, device=device)
+    dist.all_reduce(ones, group=groups.tp_group)
+    if int(ones.item()) != groups.tp:
+        raise RuntimeError(f"warm-up: stage {groups.stage}'s TP group summed {int(ones.item())}, "
+                           f"expected tp={groups.tp}")
+    done.append(f"all_reduce tp={groups.tp}")
+    if groups.prev_rank is not None:
+        got = torch.empty(1, dtype=torch.long, device=device)
+        dist.recv(got, src=groups.prev_rank)
+        if int(got.item()) != groups.prev_rank:
+            raise RuntimeError(f"warm-up: rank {groups.rank} expected rank {groups.prev_rank}, "
+                               f"got {int(got.item())}")
+        done.append(f"recv from {groups.prev_rank}")
+    if groups.next_rank is not None:
+        mine = torch.full((1,), groups.rank, dtype=torch.long, device=device)
+        dist.send(mine, dst=groups.next_rank)
+        if device.type == "cuda":  # the send was only queued: finish it before returning
+            torch.cuda.synchronize(device)
+        done.append(f"send to {groups.next_rank}")
+    return done

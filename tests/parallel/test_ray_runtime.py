@@ -1,8 +1,10 @@
 """The distributed runtime on CPU: Ray actors per (stage, TP rank), gloo, 127.0.0.1 only.
 
 Greedy generation on TP2 x PP2 and PP2 must equal single-process generation token for
-token, with chunked prefills and piggybacked decodes in the micro-batches; a killed or
-hung actor must end the run with an error naming it, within a bounded time."""
+token, with chunked prefills and piggybacked decodes in the micro-batches, after every
+stage pair and TP group warmed its communicators up, with one `ray.put` per micro-batch;
+a killed or hung actor must end the run with an error naming it, within a bounded time;
+the device is decided once on the driver, and `device: cuda:N` is refused."""
 import os
 import socket
 import time
@@ -14,9 +16,11 @@ import pytest  # noqa: E402
 ray = pytest.importorskip("ray")
 
 from pp_runtime import LLM, SamplingParams  # noqa: E402
+from pp_runtime.batch import MicroBatch  # noqa: E402
 from pp_runtime.config import load_config  # noqa: E402
 from pp_runtime.driver import ExecutorFailed  # noqa: E402
-from pp_runtime.errors import WorkerFailed  # noqa: E402
+from pp_runtime.errors import ConfigError, WorkerFailed  # noqa: E402
+from pp_runtime.executors.ray_executor import ray_device  # noqa: E402
 from pp_runtime.llm import run_workload  # noqa: E402
 from pp_runtime.telemetry.report import build_report  # noqa: E402
 
@@ -37,21 +41,29 @@ def generate(path, **overrides):
     with LLM.from_pretrained(path, **PLAN, **overrides) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True),
                             on_microbatch=lambda mb, out: seen.append(mb))
-        executor = llm.executor.name
+        executor = llm.executor
     return [o.token_ids for o in outs], seen, executor
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 2), (1, 2)])
-def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp):
+def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, monkeypatch):
     family, _, path = hf_checkpoint
     reference, _, ex = generate(path, executor="local", pp=1)
-    assert ex == "local"
+    assert ex.name == "local"
+    put, puts = ray.put, []
+    monkeypatch.setattr(ray, "put", lambda obj, **kw: (puts.append(obj), put(obj, **kw))[1])
     tokens, mbs, ex = generate(path, tp=tp, pp=pp)
-    assert ex == "ray"
+    assert ex.name == "ray"
     assert tokens == reference
     # the plans really mixed chunked prefills and piggybacked decodes
     assert any(mb.num_decodes and mb.num_prefill_tokens for mb in mbs)
     assert any(s.start > 0 and not s.is_decode for mb in mbs for s in mb.seqs)
+    # each micro-batch went to Ray's object store once, for all tp * pp actors
+    assert [mb.mb_id for mb in puts if isinstance(mb, MicroBatch)] == [mb.mb_id for mb in mbs]
+    # before the first micro-batch: one all-reduce per TP group, one exchange per stage pair
+    assert ex.warm_ups == [
+        [f"all_reduce tp={tp}"] + ([f"recv from {r - tp}"] if r >= tp else [])
+        + ([f"send to {r + tp}"] if r < (pp - 1) * tp else []) for r in range(tp * pp)]
 
 
 def tiny(**overrides):
@@ -128,6 +140,22 @@ def test_a_hung_rank_ends_the_run_after_the_step_timeout():
     msg, elapsed, _ = _run_with_fault(lambda actors: actors[1].sleep.remote(120), step_timeout_s=4.0)
     assert "stage 1 tp rank 0 did not finish micro-batch" in msg, msg
     assert elapsed < 60
+
+
+def test_the_device_is_decided_once_on_the_driver():
+    """What every actor is given (the actors themselves never look at runtime.device)."""
+    four_gpus, none = {"CPU": 8, "GPU": 4}, {"CPU": 8}
+    assert ray_device(tiny(device="auto", tp=2), four_gpus) == "cuda"  # a GPU per worker
+    assert ray_device(tiny(device="auto", tp=4), four_gpus) == "cpu"  # 8 workers, 4 GPUs
+    assert ray_device(tiny(device="auto"), none) == "cpu"
+    assert ray_device(tiny(device="cuda"), none) == "cuda"  # placement then says too small
+    assert ray_device(tiny(device="cpu"), four_gpus) == "cpu"
+
+
+def test_a_numbered_cuda_device_is_refused_before_anything_starts():
+    with pytest.raises(ConfigError, match=r"runtime.device: 'cuda:1' .*each Ray actor sees its "
+                                          r"GPU as cuda:0; use device: cuda or auto"):
+        LLM(tiny(device="cuda:1"))
 
 
 def test_a_failed_rendezvous_names_the_rank():
