@@ -84,7 +84,8 @@ class ModelConfig:
             return self.dtype
         if device_type != "cuda":
             return "float32"
-        return self.checkpoint_dtype if self.checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
+        half = ("float16", "bfloat16")
+        return self.checkpoint_dtype if self.checkpoint_dtype in half else "bfloat16"
 
     @property
     def dtype_bytes(self) -> int:
@@ -265,7 +266,8 @@ def validate(cfg: Config) -> None:
     _check(m.dtype in DTYPES or m.dtype == AUTO_DTYPE, "model.dtype", f"unknown dtype {m.dtype!r}",
            f"use {AUTO_DTYPE} or one of {', '.join(DTYPES)}")
     _check(m.checkpoint_dtype is None or m.checkpoint_dtype in DTYPES, "model.checkpoint_dtype",
-           f"unknown dtype {m.checkpoint_dtype!r}", f"use one of {', '.join(DTYPES)} or leave it unset")
+           f"unknown dtype {m.checkpoint_dtype!r}",
+           f"use one of {', '.join(DTYPES)} or leave it unset")
     for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_positions"):
         _check(getattr(m, name) >= 1, f"model.{name}", f"must be >= 1, got {getattr(m, name)}",
                "set a positive value")

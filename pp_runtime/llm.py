@@ -39,7 +39,9 @@ class LLM:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **overrides) -> "LLM":
-        """Load a Hugging Face-format checkpoint directory (GPT-2 or LLaMA family)."""
+        """Load a Hugging Face-format checkpoint directory (GPT-2 or LLaMA family). Its
+        dtype is "auto": the checkpoint's (config.json's torch_dtype) on a GPU, float32 on
+        a CPU (`ModelConfig.dtype_for`); `dtype="float16"` etc. overrides."""
         model = model_config_from_hf(read_hf_config(path), name=Path(path).name)
         return cls(Config(model=model), checkpoint=path, **overrides)
 

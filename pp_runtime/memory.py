@@ -1,10 +1,22 @@
-"""The paper's batch-size formula (§4.3): how many requests' KV fits beside the weights."""
+"""Device memory: the paper's batch-size formula (§4.3), and the check that a deployment's
+weights and KV cache fit before anything is allocated.
+
+`memory_plan` is the paper's B: all parameters spread evenly over tp x pp devices.
+`stage_memory` is exact for one tp rank of one stage, as `StageModel` builds it (the
+first stage holds the embedding, the last the head, the vocabulary is padded to a
+multiple of tp, norms are whole on every rank). `check_fits` compares it with the memory a
+device offers and raises `ConfigError` with the largest batch that fits: the worker
+before it allocates (the device's free memory), the simulator before it runs (the
+simulated GPU's capacity). No torch here: `free_bytes` imports it when asked.
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from pp_runtime.config import Config, ConfigError
+from pp_runtime.config import Config, ConfigError, ModelConfig, stage_layers
+
+GB = 1e9
 
 
 @dataclass(frozen=True)
@@ -39,9 +51,148 @@ def memory_plan(cfg: Config, device_memory_gb: float | None = None) -> MemoryPla
     gb = device_memory_gb if device_memory_gb is not None else cfg.cache.device_memory_gb
     if gb is None:
         raise ConfigError("cache.device_memory_gb: not set; give the memory of one device in GB")
-    usable = gb * 1e9 * cfg.cache.memory_utilization
+    usable = gb * GB * cfg.cache.memory_utilization
     params = m.num_params() * m.dtype_bytes / (p.tp * p.pp)
     layers = math.ceil(m.num_layers / p.pp)
     kv_token = 2 * layers * (m.kv_heads // p.tp) * m.head_dim * m.dtype_bytes
     total = max(0, math.floor((usable - params) / (cfg.seq_len * kv_token)))
     return MemoryPlan(usable, params, cfg.seq_len, kv_token, total, total // p.pp)
+
+
+# ---- exact, per stage ----------------------------------------------------------------------
+def stage_params(m: ModelConfig, tp: int, lo: int, hi: int) -> int:
+    """Parameters of one tp rank of the stage holding layers [lo, hi), as `StageModel` builds
+    them: QKV, FFN-up and the vocabulary (padded to a multiple of tp) cut, norms, GPT's
+    position embedding and row-parallel biases whole."""
+    h, f, b = m.hidden_size, m.ffn, int(m.use_bias)
+    qkv = (m.num_heads + 2 * m.kv_heads) * m.head_dim
+    up = 2 * f if m.family == "llama" else f  # llama: gate | up
+    norm = 2 * h if m.family == "gpt" else h  # LayerNorm has a bias
+    layer = ((h + b) * qkv + (h + b) * up) // tp + (h * h + f * h) // tp + 2 * b * h + 2 * norm
+    vocab_rows = -(-m.vocab_size // tp)  # padded_vocab / tp
+    first, last = lo == 0, hi == m.num_layers
+    n = (hi - lo) * layer
+    if first:
+        n += vocab_rows * h + (m.max_positions * h if m.family == "gpt" else 0)
+    if last:
+        n += norm + (0 if m.tied and first else vocab_rows * h)  # a tied head on stage 0 is shared
+    return n
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """What one tp rank of a pipeline stage allocates at startup."""
+
+    stage: int
+    weight_bytes: int  # this rank's shard of the stage's parameters
+    kv_bytes_per_slot: int  # K and V of one slot: seq_len tokens, the stage's layers, rank's heads
+    slots: int  # KV slots (cache.kv_slots, or pp * max_batch_size)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.slots * self.kv_bytes_per_slot
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    def slots_that_fit(self, usable_bytes: float) -> int:
+        return max(0, math.floor((usable_bytes - self.weight_bytes) / self.kv_bytes_per_slot))
+
+
+def stage_memory(cfg: Config, stage: int, dtype_bytes: int, tp: int | None = None,
+                 pp: int | None = None, slots: int | None = None) -> StageMemory:
+    """Weights and KV of one tp rank of `stage` (tp, pp, slots: the config's unless given)."""
+    m = cfg.model
+    tp, pp = tp or cfg.parallel.tp, pp or cfg.parallel.pp
+    lo, hi = stage_layers(m.num_layers, pp, stage)
+    per_slot = 2 * (hi - lo) * (m.kv_heads // tp) * m.head_dim * cfg.seq_len * dtype_bytes
+    return StageMemory(stage, stage_params(m, tp, lo, hi) * dtype_bytes, per_slot,
+                       slots or cfg.num_slots)
+
+
+def smallest_deployment(cfg: Config, usable_bytes: float,
+                        dtype_bytes: int) -> tuple[int, int] | None:
+    """The fewest GPUs (tp, pp) whose every stage holds its weights and the KV of this
+    config's batch (max_batch_size per micro-batch, or kv_slots); tp stays within a node
+    and divides the heads and the FFN. Among equal counts, the fewest stages."""
+    m, c = cfg.model, cfg.cache
+    cuts = math.gcd(m.num_heads, m.kv_heads, m.ffn)
+    tps = [t for t in range(1, min(cuts, cfg.hardware.gpus_per_node) + 1) if cuts % t == 0]
+    for tp, pp in sorted(((t, p) for t in tps for p in range(1, m.num_layers + 1)),
+                         key=lambda d: (d[0] * d[1], d[1])):
+        slots = c.kv_slots or pp * cfg.planner.max_batch_size
+        if all(stage_memory(cfg, s, dtype_bytes, tp, pp, slots).total_bytes <= usable_bytes
+               for s in range(pp)):
+            return tp, pp
+    return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f} GB"
+
+
+def check_fits(cfg: Config, usable_bytes: float, dtype_bytes: int, device: str,
+               stages: list[int] | None = None, tp_rank: int | None = None) -> None:
+    """Raise ConfigError if a stage's weights and KV exceed `usable_bytes` (one device's, as
+    `device` describes it), naming the stage, both sizes, the largest max_batch_size (and
+    kv_slots) that fits, and the other fixes. `stages`: those to check (default all)."""
+    need = [stage_memory(cfg, s, dtype_bytes) for s in (stages if stages is not None
+                                                       else range(cfg.parallel.pp))]
+    worst = max(need, key=lambda s: s.total_bytes - usable_bytes)
+    if worst.total_bytes <= usable_bytes:
+        return
+    pp, L = cfg.parallel.pp, cfg.seq_len  # noqa: N806
+    slots = min(s.slots_that_fit(usable_bytes) for s in need)
+    where = f"stage {worst.stage}" + (f" (tp rank {tp_rank})" if tp_rank is not None else "")
+    head = (f"{where} needs {_gb(worst.total_bytes)} (weights {_gb(worst.weight_bytes)} + KV "
+            f"{_gb(worst.kv_bytes)} for {worst.slots} slots of {L} tokens), but {device} offers "
+            f"{_gb(usable_bytes)}")
+    fixes, reason = [], ""
+    if slots >= 1 and (cfg.cache.kv_slots or slots >= pp):
+        field = "cache.kv_slots" if cfg.cache.kv_slots else "planner.max_batch_size"
+        best = (f"kv_slots={slots}" if cfg.cache.kv_slots
+                else f"max_batch_size={slots // pp} (kv_slots={slots // pp * pp})")
+        fixes.append(f"the largest batch that fits is {best}: --set {best.split(' ')[0]}")
+    else:
+        field = "parallel.tp, parallel.pp"
+        reason = ("The weights alone do not fit. " if worst.weight_bytes >= usable_bytes
+                  else "No batch fits beside the weights. ")
+    smallest = smallest_deployment(cfg, usable_bytes, dtype_bytes)
+    if smallest and smallest != (cfg.parallel.tp, pp):
+        tp_s, pp_s = smallest
+        fixes.append(f"the fewest devices that hold this batch are tp={tp_s} x pp={pp_s}: "
+                     f"--set tp={tp_s} --set pp={pp_s}")
+    longest = min(max(0, math.floor((usable_bytes - s.weight_bytes) * L
+                                    / (s.slots * s.kv_bytes_per_slot))) for s in need)
+    if longest >= 1:  # tokens of KV per slot that fit beside every stage's weights
+        fixes.append(f"slots of {longest} tokens fit: --set max_seq_len={longest}")
+    raise ConfigError(f"{field}: {head}. {reason}Fix: " + ("; or ".join(fixes) or
+                      "none within hardware.gpus_per_node x num_layers devices"))
+
+
+def check_stage_fits(cfg: Config, stage: int, tp_rank: int, dtype_bytes: int, device) -> None:
+    """The worker's check before it allocates: this stage's weights and KV against the
+    torch device's free memory (`free_bytes`) times cache.memory_utilization."""
+    free, util = free_bytes(device), cfg.cache.memory_utilization
+    check_fits(cfg, free * util, dtype_bytes,
+               f"{device} ({_gb(free)} free x cache.memory_utilization {util:g})", [stage], tp_rank)
+
+
+def free_bytes(device) -> int:
+    """Memory free on a torch device now: `torch.cuda.mem_get_info` on a GPU, the kernel's
+    MemAvailable (RAM that can be had without swapping) on a CPU."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -12,8 +12,9 @@ import time
 
 from tqdm import tqdm
 
-from pp_runtime import driver
+from pp_runtime import driver, memory
 from pp_runtime.config import Config, ConfigError
+from pp_runtime.costmodel.devices import device_spec
 from pp_runtime.executors.sim import SimExecutor, StageCost, VirtualClock
 from pp_runtime.planner import make_planner
 from pp_runtime.request import Request, SamplingParams
@@ -39,8 +40,19 @@ def check_fits(cfg: Config, specs: list[RequestSpec]) -> None:
                           "tokens of a slot; lower workload.max_len or raise model.max_positions")
 
 
+def check_memory(cfg: Config) -> None:
+    """ConfigError unless every stage's weights and KV fit on one simulated GPU:
+    cache.device_memory_gb if set, else hardware.gpu's memory, times memory_utilization."""
+    gb = cfg.cache.device_memory_gb or device_spec(cfg.hardware.gpu).mem_gb
+    util = cfg.cache.memory_utilization
+    memory.check_fits(cfg, gb * memory.GB * util, cfg.model.dtype_bytes,
+                      f"one {cfg.hardware.gpu} ({gb:g} GB x cache.memory_utilization {util:g})")
+
+
 def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True) -> RunResult:
-    """Run cfg's workload through cfg's planner on the simulated pipeline."""
+    """Run cfg's workload through cfg's planner on the simulated pipeline; ConfigError first
+    if the deployment does not fit in the simulated GPUs' memory or its KV slots."""
+    check_memory(cfg)
     if cost is None:
         from pp_runtime.costmodel import build_cost_model
         cost = build_cost_model(cfg)

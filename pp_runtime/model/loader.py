@@ -2,9 +2,10 @@
 
 `model_config_from_hf` maps a GPT-2 or LLaMA `config.json` to our `ModelConfig`;
 `load_stage_weights` fills one `StageModel` and reads only the tensors that stage needs, and
-of each only the slices its tp rank holds (safetensors files are opened lazily and read
-slice by slice). Every tensor's shape is checked against the config before it is read,
-and a mismatch names the tensor, both shapes and the config field.
+of each only the slices its tp rank holds (safetensors files are memory-mapped and read
+slice by slice), copied straight into the parameters. Every tensor's shape is checked
+against the config before it is read, and a mismatch names the tensor, both shapes and the
+config field. The model config gets dtype "auto" and the checkpoint's own dtype.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from pp_runtime.config import CheckpointError, ConfigError, ModelConfig  # noqa: F401
+from pp_runtime.config import (AUTO_DTYPE, DTYPES, CheckpointError, ConfigError,  # noqa: F401
+                               ModelConfig)
 from pp_runtime.model.transformer import StageModel
 from pp_runtime.parallel.layers import shard_of
 
@@ -42,7 +44,19 @@ def _eos(hf: dict, vocab_size: int, name: str) -> int | None:
     return eos
 
 
+def checkpoint_dtype(hf: dict) -> str | None:
+    """The dtype the checkpoint was saved in: config.json's `torch_dtype` (transformers < 5)
+    or `dtype` (transformers >= 5), e.g. "bfloat16" or "torch.float16"; None when absent,
+    "auto", or not one we serve in (float64, float8 ...)."""
+    value = hf.get("dtype") or hf.get("torch_dtype")
+    name = str(value).removeprefix("torch.") if value else None
+    return name if name in DTYPES else None
+
+
 def model_config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
+    """Our `ModelConfig` for a GPT-2 or LLaMA `config.json`, with dtype "auto": the
+    checkpoint's dtype on a GPU, float32 on a CPU (`ModelConfig.dtype_for`)."""
+    dtypes = dict(dtype=AUTO_DTYPE, checkpoint_dtype=checkpoint_dtype(hf))
     kind = hf.get("model_type")
     if kind == "gpt2":
         return ModelConfig(
@@ -52,7 +66,7 @@ def model_config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             activation=hf.get("activation_function", "gelu_new"), bias=True,
             tie_embeddings=hf.get("tie_word_embeddings", True),
-            eos_token_id=_eos(hf, hf["vocab_size"], name),
+            eos_token_id=_eos(hf, hf["vocab_size"], name), **dtypes,
         )
     if kind == "llama":
         rope_params = hf.get("rope_parameters") or {}
@@ -75,7 +89,7 @@ def model_config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
             rope_theta=float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))),
             activation=hf.get("hidden_act", "silu"), bias=bool(hf.get("attention_bias", False)),
             tie_embeddings=hf.get("tie_word_embeddings", False),
-            eos_token_id=_eos(hf, hf["vocab_size"], name),
+            eos_token_id=_eos(hf, hf["vocab_size"], name), **dtypes,
         )
     raise ConfigError(f"model.family: unknown model family {kind!r} in {name}/config.json; "
                       "supported model_type values: gpt2, llama")
@@ -140,29 +154,52 @@ class TensorReader:
         return t.t() if piece.transposed else t
 
 
-def _read_shard(reader: TensorReader, pieces: tuple[Piece, ...],
-                param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter: the rows (or columns) its `Shard` names, read from
-    the pieces they fall in, zero-padded where the vocabulary was padded."""
+def _copy_shard(reader: TensorReader, pieces: tuple[Piece, ...], param: torch.Tensor) -> None:
+    """Copy this rank's part of a parameter into it, block by block (no concatenated copy):
+    the rows (or columns) its `Shard` names, read from the pieces they fall in, and zeros
+    where the vocabulary was padded. `copy_` casts each block to the parameter's dtype and
+    moves it to its device."""
     shard = shard_of(param)
-    if shard.dim is None:
-        return torch.cat([reader.read(p) for p in pieces])
-    blocks = []
-    for lo, hi, zeros in shard.ranges():
-        if shard.dim == 0:  # rows [lo, hi) of the pieces stacked along dim 0
+    dim = shard.dim or 0  # a replicated tensor: its pieces stacked along dim 0
+
+    def put(block: torch.Tensor, at: int, row: int = 0) -> None:
+        """block -> [at, at + n) along dim; with dim 1, rows [row, ...) (the piece's rows)."""
+        where = [slice(None)] * param.dim()
+        where[dim] = slice(at, at + block.shape[dim])
+        if dim == 1:
+            where[0] = slice(row, row + block.shape[0])
+        target = param[tuple(where)]
+        if target.shape != block.shape:  # our shapes follow the config; a guard for fused ones
+            raise CheckpointError(f"{reader.path}: a block {tuple(block.shape)} of "
+                                  f"{', '.join(p.name for p in pieces)} does not fit its place "
+                                  f"in a parameter of shape {tuple(param.shape)}")
+        target.copy_(block)
+
+    pos = 0  # rows (or columns) of param filled
+    ranges = shard.ranges() if shard.dim is not None else [(0, sum(p.rows() for p in pieces), 0)]
+    for lo, hi, zeros in ranges:
+        if dim == 0:  # rows [lo, hi) of the pieces stacked along dim 0
             offset = 0
             for p in pieces:
                 a, b = max(lo, offset), min(hi, offset + p.rows())
                 if a < b:
-                    blocks.append(reader.read(p, 0, a - offset, b - offset))
+                    put(reader.read(p, 0, a - offset, b - offset) if shard.dim is not None
+                        else reader.read(p), pos)
+                    pos += b - a
                 offset += p.rows()
         else:  # columns [lo, hi) of every piece
-            blocks.append(torch.cat([reader.read(p, shard.dim, lo, hi) for p in pieces]))
+            row = 0
+            for p in pieces:
+                put(reader.read(p, dim, lo, hi), pos, row)
+                row += p.rows()
+            pos += hi - lo
         if zeros:
-            shape = list(param.shape)
-            shape[shard.dim] = zeros
-            blocks.append(torch.zeros(shape, dtype=param.dtype))  # on CPU, like the reads
-    return torch.cat(blocks, shard.dim)
+            param.narrow(dim, pos, zeros).zero_()
+            pos += zeros
+    if pos != param.shape[dim]:
+        raise CheckpointError(f"{reader.path}: {', '.join(p.name for p in pieces)} fill {pos} "
+                              f"of the {param.shape[dim]} rows of a parameter of shape "
+                              f"{tuple(param.shape)}")
 
 
 def _gpt_sources(m: ModelConfig, r: TensorReader) -> dict[str, tuple[Piece, ...]]:
@@ -223,8 +260,10 @@ def _llama_sources(m: ModelConfig, r: TensorReader) -> dict[str, tuple[Piece, ..
 
 @torch.no_grad()
 def load_stage_weights(stage: StageModel, path: str | Path) -> None:
-    """Copy this stage's tensors from the checkpoint at `path` into `stage`: only its layers,
-    and of each tensor only this tp rank's shard (`shard_of(param)`)."""
+    """Copy this stage's tensors from the checkpoint at `path` into `stage`'s parameters
+    (allocated, in their final dtype and device: `materialize`): only its layers, and of
+    each tensor only this tp rank's shard (`shard_of(param)`), copied straight into place
+    from the file's pages (`_copy_shard`)."""
     reader = TensorReader(path)
     m = stage.cfg
     sources = (_gpt_sources if m.family == "gpt" else _llama_sources)(m, reader)
@@ -232,8 +271,4 @@ def load_stage_weights(stage: StageModel, path: str | Path) -> None:
         parts = name.split(".")
         if parts[0] == "layers":
             parts[1] = str(int(parts[1]) + stage.lo)
-        tensor = _read_shard(reader, sources[".".join(parts)], param)
-        if tensor.shape != param.shape:  # our shapes follow the config; a guard for fused tensors
-            raise CheckpointError(f"{path}: {name} built with shape {tuple(tensor.shape)}, "
-                                  f"expected {tuple(param.shape)}")
-        param.copy_(tensor.to(param.dtype))
+        _copy_shard(reader, sources[".".join(parts)], param)

@@ -15,6 +15,10 @@ cut among a stage's tp ranks otherwise (QKV and FFN-up column-parallel, attentio
 and FFN-down row-parallel, embedding and LM head vocab-parallel; norms and GPT's position
 embedding whole). The model code is the same either way; a rank has `heads / tp` query
 heads and `kv_heads / tp` KV heads, matching its KV cache.
+
+A stage is built on the meta device (shapes only), then `materialize` allocates each
+parameter once, in its final dtype on its device, and `init_random` (only this rank's
+shard is drawn) or the loader fills it in place.
 """
 from __future__ import annotations
 
@@ -139,24 +143,93 @@ class StageModel(nn.Module):
 
     @torch.no_grad()
     def init_random(self, seed: int) -> None:
-        """GPT-2-style init; each layer seeded by its global index, so any cut into
-        stages gives the same weights as the whole model. A tp rank draws each full tensor
-        and keeps its shard, so any tp gives the same weights too."""
-        std = 0.02
+        """GPT-2-style init, in place: weights normal(0, 0.02), the residual projections
+        (out, fc2) scaled down by sqrt(2 * num_layers); norms 1, biases 0.
+
+        Each tensor is drawn in runs of rows along its cut dimension (`fill_normal`), every
+        run from its own generator seeded by (seed, the tensor's model-wide name, its first
+        row): a tp rank draws only its shard, and any cut into stages and tp ranks gives the
+        same full tensors."""
+        m = self.cfg
+        cuts = math.gcd(m.num_heads, m.kv_heads, m.ffn)  # every valid tp divides this
+        tps = [t for t in range(1, cuts + 1) if cuts % t == 0]
         for name, p in self.named_parameters():
             parts = name.split(".")
             if parts[0] == "layers":  # the global layer index, whatever the stage
                 parts[1] = str(int(parts[1]) + self.lo)
             canonical = ".".join(parts)
-            if canonical == "lm_head.weight" and self.cfg.tied:
+            if canonical == "lm_head.weight" and m.tied:
                 canonical = "embed.weight"
-            g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{canonical}".encode()))
             if parts[-1] == "bias":
                 p.zero_()
             elif p.dim() == 1:  # norm weights
                 p.fill_(1.0)
             else:  # residual projections scaled down with depth, as in GPT-2
-                scale = std / math.sqrt(2 * self.cfg.num_layers) if parts[-2] in ("out", "fc2") else std
-                shard = shard_of(p)
-                full = torch.randn(shard.full_shape(p.shape), generator=g) * scale
-                p.copy_(shard.take(full))
+                std = 0.02 / math.sqrt(2 * m.num_layers) if parts[-2] in ("out", "fc2") else 0.02
+                fill_normal(p, f"{seed}/{canonical}", std, tps)
+
+
+STAGING_ELEMENTS = 1 << 20  # float32 drawn on the CPU per copy into place (4 MB)
+
+
+def cut_points(size: int, tps: list[int]) -> list[int]:
+    """Rows of a part of `size` rows where some tp in `tps` starts or ends a rank's share
+    (ceil(size / tp) rows a rank: a padded vocabulary's last rank holds fewer)."""
+    return sorted({min(r * -(-size // t), size) for t in tps for r in range(t + 1)})
+
+
+@torch.no_grad()
+def fill_normal(p: torch.Tensor, key: str, std: float, tps: list[int]) -> None:
+    """Fill `p`, one tp rank's shard (`shard_of(p)`), with its part of a normal(0, std)
+    full tensor that depends only on `key` and `tps` (the tps the model allows), not on
+    the rank or its tp.
+
+    Along the cut dimension every part of the full tensor is split at the `cut_points` of
+    all tps in `tps`, so a rank's share is a run of whole blocks; each block is drawn in
+    runs of at most STAGING_ELEMENTS, each run from a generator seeded by (key, its first
+    row). A rank draws only its own runs, on the CPU in float32, and copies each into `p`
+    (any dtype, any device). A replicated tensor is drawn whole, seeded by `key`."""
+    shard, base = shard_of(p), zlib.crc32(key.encode())
+    gen = torch.Generator()
+    if shard.dim is None:
+        p.copy_(torch.randn(p.shape, generator=gen.manual_seed(base)) * std)
+        return
+    d = shard.dim
+    rest = p.shape[:d] + p.shape[d + 1:]  # one row along the cut dimension
+    step = max(1, STAGING_ELEMENTS // math.prod(rest))  # rows drawn at once
+    pos = offset = 0  # rows of p filled; first row of the current part in the full tensor
+    for size, (lo, hi, zeros) in zip(shard.parts, shard.ranges()):
+        cuts = [offset + c for c in cut_points(size, tps)]
+        if lo not in cuts or hi not in cuts:
+            raise ValueError(f"{key}: tp={shard.tp} is not one of {tps}, the tps this model "
+                             "allows (they divide gcd(num_heads, num_kv_heads, ffn_size))")
+        for start, end in zip(cuts, cuts[1:]):  # the blocks: each wholly this rank's or not
+            for first in range(start, end, step) if lo <= start and end <= hi else ():
+                n = min(step, end - first)
+                rows = torch.randn((n, *rest), generator=gen.manual_seed((base + first) % 2**32))
+                p.narrow(d, pos, n).copy_(rows.mul_(std).movedim(0, d))  # rows: [n, *rest]
+                pos += n
+        if zeros:  # vocabulary padding
+            p.narrow(d, pos, zeros).zero_()
+            pos += zeros
+        offset += size
+
+
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give each parameter of a model built on the meta device its storage: allocated once,
+    on `device`, in `dtype`, uninitialized (fill it with `init_random` or
+    `load_stage_weights`). A parameter two modules share (a tied LM head) stays shared, and
+    every attribute on it (`shard`, Megatron's) is kept."""
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in done:
+                q = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                 requires_grad=False)
+                q.__dict__.update(p.__dict__)
+                done[id(p)] = q
+            module._parameters[key] = done[id(p)]
+    if any(b.is_meta for b in model.buffers()):
+        raise ValueError("materialize: the model has buffers on the meta device; give them values")
