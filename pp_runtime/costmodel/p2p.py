@@ -55,7 +55,8 @@ def _p2p_job(cfg: Config, device: torch.device, grid: ProfileGrid,
     elif device.type == "cuda":
         note = "gloo over host memory (one GPU: NCCL needs two)"
     width = cfg.model.hidden_size // cfg.parallel.tp
-    return _P2PJob(_free_port(), backend, devices, cfg.model.dtype, width, grid.send_tokens,
+    dtype = cfg.model.dtype_for(device.type)  # the dtype the stages send in
+    return _P2PJob(_free_port(), backend, devices, dtype, width, grid.send_tokens,
                    effort.warmup + 1, effort.max_repeats), note
 
 
