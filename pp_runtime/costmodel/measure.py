@@ -7,7 +7,7 @@ tables (milliseconds, `time_stats.OP.median`), so one loader reads both:
   mlp.csv        the linear and small ops of one decoder layer by num_tokens, timed on the
                  runtime's own modules (`StageModel`, `DecoderLayer`)
   attention.csv  `prefill_attention` of a chunk of C tokens after K cached ones; the
-                 runtime's decode path (batched on GPU, per-decode views on CPU) for b
+                 runtime's decode path (varlen flash on GPU, per-decode views on CPU) for b
                  decodes with K cached tokens each, so they attend to K + 1 keys.
                  kv_cache_size = K = tokens cached before the step, as in Vidur.
   send_recv.csv  one TP rank's activations [num_tokens, hidden / tp] between two spawned
@@ -40,8 +40,7 @@ from pp_runtime.batch import MicroBatch, SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.device import resolve_device, torch_dtype
 from pp_runtime.errors import ConfigError
-from pp_runtime.model.attention import (BatchLayout, decode_attention, decode_attention_views,
-                                        prefill_attention, rope)
+from pp_runtime.model.attention import BatchLayout, decode_attention, prefill_attention, rope
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.transformer import DecoderLayer, StageModel
 from pp_runtime.parallel.layers import LocalShard
@@ -258,9 +257,7 @@ def _decode_op(layer: DecoderLayer, cache: KVCache, batch: int, cached: int) -> 
     q = torch.randn(batch, layer.heads, layer.head_dim, dtype=w.dtype,
                     device=w.device)  # [b, heads / tp, head_dim]
     kv = itertools.cycle([cache.layer(i) for i in range(len(cache.k))]).__next__
-    if lay.decode_mask is not None:  # GPU: one padded call
-        return lambda: decode_attention(q, *kv(), lay.decode_slots, lay.decode_mask)
-    return lambda: decode_attention_views(q, *kv(), lay.decode_slot_list, lay.decode_lens)
+    return lambda: decode_attention(q, *kv(), lay)  # the path hybrid_attention takes
 
 
 def _filled_cache(layer: DecoderLayer, slots: int, seq_len: int, layers: int) -> KVCache:
@@ -340,7 +337,8 @@ def measure_profile(cfg: Config, out_dir: str | Path, *, quick: bool = False,
     except RuntimeError as exc:
         raise ConfigError(str(exc)) from exc
     effort, grid = QUICK if quick else FULL, profile_grid(cfg, quick)
-    model = _rank_model(cfg, device, cold_layers(cfg)).to(torch_dtype(cfg.model.dtype))
+    dtype = cfg.model.dtype_for(device.type)  # "auto": the checkpoint's on a GPU, fp32 on a CPU
+    model = _rank_model(cfg, device, cold_layers(cfg)).to(torch_dtype(dtype))
     model.init_random(cfg.runtime.seed)
     model = model.eval().requires_grad_(False)
     with tqdm(total=grid.size, desc="profile", unit="pt", disable=not progress) as bar, \
@@ -355,7 +353,7 @@ def measure_profile(cfg: Config, out_dir: str | Path, *, quick: bool = False,
     _write_csv(out / "mlp.csv", MLP_COLUMNS, mlp)
     _write_csv(out / "attention.csv", ATTENTION_COLUMNS, attention)
     _write_csv(out / "send_recv.csv", SEND_RECV_COLUMNS, send_recv)
-    info = {"device": device.type, "name": _device_name(device), "dtype": cfg.model.dtype,
+    info = {"device": device.type, "name": _device_name(device), "dtype": dtype,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "model": cfg.model.name, "tp": cfg.parallel.tp,
             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

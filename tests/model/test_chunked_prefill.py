@@ -43,7 +43,7 @@ def test_chunked_prefill_equals_full_prefill(family, chunk):
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_decode_path_equals_full_prefill(family):
-    """Feeding the prompt one token at a time through the batched decode attention gives
+    """Feeding the prompt one token at a time through the decode attention path gives
     the full prefill's logits."""
     worker = make_worker(family)
     prompt = list(range(5, 5 + 30))

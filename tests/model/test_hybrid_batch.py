@@ -59,25 +59,3 @@ def test_two_prefill_chunks_and_decodes_in_one_batch(family):
     mixed = logits(hybrid, seqs)
     expected = torch.cat([logits(alone, [s]) for s in seqs])
     torch.testing.assert_close(mixed, expected, atol=2e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_batched_decode_path_equals_per_decode_views(family):
-    """The GPU path (one padded, masked call for all decodes) and the CPU path (one call per
-    decode on cache views) give the same logits."""
-    from pp_runtime.model.attention import BatchLayout
-
-    p = prompts()
-    w = worker(family)
-    for rid in (0, 1, 3):  # KV of different lengths: 29, 20, 11
-        logits(w, [SeqChunk(rid, rid, 0, tuple(p[rid][:-1]), None)])
-    seqs = tuple(SeqChunk(rid, rid, len(p[rid]) - 1, (p[rid][-1],), GREEDY, is_decode=True)
-                 for rid in (0, 1, 3)) + (SeqChunk(2, 2, 0, tuple(p[2][:9]), None),)
-    mb = MicroBatch(0, seqs)
-    out = {}
-    for batched in (True, False):
-        layout = BatchLayout.build(mb, w.device, batched_decodes=batched)
-        assert (layout.decode_mask is not None) == batched
-        with torch.inference_mode():
-            out[batched] = w.model.logits(w.model(w.input_ids(mb), w.cache, layout))
-    torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=1e-5)
