@@ -7,6 +7,8 @@ micro-batch be planned while the previous one is still in the pipeline.
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pp_runtime.batch import Sampling
@@ -44,10 +46,13 @@ class SamplingParams:
         return out
 
 
-@dataclass
+# slots: a simulated run holds 10^5 of them. eq=False: a request is compared by identity
+# (it is one mutable entity), so the planner's `running.remove(req)` does not compare
+# every other running request field by field.
+@dataclass(slots=True, eq=False)
 class Request:
     request_id: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # a list, or RepeatedTokens (the simulator)
     params: SamplingParams
     seed: int  # resolved sampling seed
     arrival_s: float = 0.0
@@ -58,18 +63,19 @@ class Request:
     finish_reason: FinishReason | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
+    # set once from the prompt, never changed: a plain attribute, not a property, because
+    # the planners read it for every admitted request on every micro-batch
+    prompt_len: int = field(init=False, repr=False)
+    _sampling: Sampling = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt_token_ids)
         self._sampling = Sampling(self.params.temperature, self.params.top_p, self.seed)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def in_prefill(self) -> bool:
         """Prompt tokens remain to be scheduled."""
-        return self.num_scheduled < len(self.prompt_token_ids)
+        return self.num_scheduled < self.prompt_len
 
     @property
     def in_flight(self) -> bool:
@@ -85,22 +91,66 @@ class Request:
         return self._sampling
 
     def output(self, error: str | None = None) -> "RequestOutput":
-        """What the caller gets back; `error` is kept only when the request ended in error."""
-        return RequestOutput(self.request_id, self.prompt_token_ids, list(self.output_token_ids),
+        """What the caller gets back; `error` is kept only when the request ended in error.
+        A finished request's tokens never change again, so they are shared, not copied
+        (a simulation of 10^5 requests holds 10^7 of them)."""
+        tokens = self.output_token_ids if self.finished else list(self.output_token_ids)
+        return RequestOutput(self.request_id, self.prompt_token_ids, tokens,
                              self.finish_reason, self.arrival_s, self.first_token_s, self.finish_s,
                              error if self.finish_reason == FinishReason.ERROR else None)
 
     def token_at(self, position: int) -> int:
         """Token id at a sequence position (prompt, then generated tokens)."""
-        if position < self.prompt_len:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - self.prompt_len]
+        n = self.prompt_len
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+
+class RepeatedTokens(Sequence):
+    """A prompt of one token id repeated `length` times, in O(1) memory.
+
+    The simulator's prompts are runs of token 0 whose lengths alone matter: as lists they
+    would take 8 bytes per token (1.6 GB for 100K requests of the paper's workload) and
+    slow down every full garbage collection, which visits each element. Slices are tuples (what a prefill
+    chunk carries); it compares equal to any sequence with the same tokens.
+    """
+
+    __slots__ = ("token", "length")
+
+    def __init__(self, token: int, length: int):
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        self.token, self.length = token, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return (self.token,) * len(range(*index.indices(self.length)))
+        if not -self.length <= index < self.length:
+            raise IndexError("RepeatedTokens index out of range")
+        return self.token
+
+    def __iter__(self):
+        return itertools.repeat(self.token, self.length)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RepeatedTokens):
+            return self.length == other.length and (self.token == other.token or not self.length)
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(other) == self.length and all(t == self.token for t in other)
+        return NotImplemented
+
+    __hash__ = None  # equal to lists, which are unhashable
+
+    def __repr__(self) -> str:
+        return f"RepeatedTokens(token={self.token}, length={self.length})"
 
 
 @dataclass(frozen=True)
 class RequestOutput:
     request_id: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
     token_ids: list[int]  # generated ids
     finish_reason: FinishReason
     arrival_s: float

@@ -17,7 +17,7 @@ from pp_runtime.config import Config, ConfigError
 from pp_runtime.costmodel.devices import device_spec
 from pp_runtime.executors.sim import SimExecutor, StageCost, VirtualClock
 from pp_runtime.planner import make_planner
-from pp_runtime.request import Request, SamplingParams
+from pp_runtime.request import RepeatedTokens, Request, SamplingParams
 from pp_runtime.telemetry.recorder import RunRecorder
 from pp_runtime.telemetry.report import RunResult
 from pp_runtime.workload import RequestSpec, generate
@@ -58,7 +58,8 @@ def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True) 
         cost = build_cost_model(cfg)
     specs = generate(cfg.workload)
     check_fits(cfg, specs)
-    requests = [Request(i, [0] * s.prompt_len, SamplingParams(max_tokens=s.output_len, ignore_eos=True),
+    # prompts of token 0 in O(1) memory each: only their lengths matter to the simulator
+    requests = [Request(i, RepeatedTokens(0, s.prompt_len), SamplingParams(max_tokens=s.output_len, ignore_eos=True),
                         seed=0, arrival_s=s.arrival_s) for i, s in enumerate(specs)]
     pp, t0 = cfg.parallel.pp, time.perf_counter()
     bar = tqdm(total=sum(s.output_len for s in specs), unit="tok", disable=not progress,

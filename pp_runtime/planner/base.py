@@ -54,6 +54,9 @@ class BasePlanner:
             self.running.append(req)
 
     # ---- building blocks for policies --------------------------------------------------
+    # The building blocks below run for every sequence of every micro-batch (10^7 times in
+    # a large simulation): they read Request's counters directly rather than through its
+    # properties (`in_flight`, `in_prefill`), whose calls cost more than the comparisons.
     def idle(self) -> list[Request]:
         """Admitted requests not in flight, in admission order."""
         return [r for r in self.running if r.num_scheduled == r.num_computed]  # not in flight
@@ -62,9 +65,9 @@ class BasePlanner:
     def decode(req: Request) -> SeqChunk:
         """Feed the last generated token back (advances the scheduled counter)."""
         pos = req.num_scheduled
-        req.num_scheduled += 1
+        req.num_scheduled = pos + 1
         return SeqChunk(req.request_id, req.slot, pos, (req.token_at(pos),), req.sampling(),
-                        is_decode=True)
+                        True)  # is_decode, positional: a keyword costs ~0.1 us, 10^7 times
 
     @staticmethod
     def prefill(req: Request, n: int | None = None) -> SeqChunk:
@@ -93,21 +96,25 @@ class BasePlanner:
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         """Record a finished micro-batch; returns the requests it finished."""
         finished = []
+        requests, tokens, eos = self.requests, out.tokens, self.eos
         for s in mb.seqs:
-            req = self.requests[s.request_id]
-            req.num_computed += s.num_tokens
+            req = requests[s.request_id]
+            req.num_computed += len(s.token_ids)
             if s.sampling is None:
                 continue
-            token = out.tokens[s.request_id]
-            req.output_token_ids.append(token)
+            token = tokens[s.request_id]
+            generated = req.output_token_ids
+            generated.append(token)
             if req.first_token_s is None:
                 req.first_token_s = now
-            if token == self.eos and not req.params.ignore_eos:
-                self.finish(req, FinishReason.EOS, now)
-            elif len(req.output_token_ids) >= req.params.max_tokens:
-                self.finish(req, FinishReason.LENGTH, now)
-            if req.finished:
-                finished.append(req)
+            if token == eos and not req.params.ignore_eos:
+                reason = FinishReason.EOS
+            elif len(generated) >= req.params.max_tokens:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            self.finish(req, reason, now)
+            finished.append(req)
         return finished
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> None:

@@ -8,6 +8,8 @@ keep their slot until the group ends.
 """
 from __future__ import annotations
 
+from itertools import islice, takewhile
+
 from pp_runtime.batch import SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.planner.cost import CostModel
@@ -26,8 +28,10 @@ class RequestLevelPlanner(BasePlanner):
         """Form a new group from arrived requests when B slots are free (or fewer requests
         remain); requests never join a running group."""
         while self.waiting and self.waiting[0].arrival_s <= now:
-            arrived = sum(1 for r in self.waiting if r.arrival_s <= now)
-            size = min(self.max_batch, arrived, self.cfg.num_slots)
+            # the group takes min(B, slots, arrived) requests; counting arrivals beyond one
+            # more than the free slots cannot change whether it fits
+            cap = min(self.max_batch, self.cfg.num_slots, len(self.free_slots) + 1)
+            size = self.arrived(now, cap)
             if len(self.free_slots) < size:
                 return
             group = []
@@ -38,12 +42,18 @@ class RequestLevelPlanner(BasePlanner):
             self.running.extend(group)
             self.groups.append(group)
 
+    def arrived(self, now: float, limit: int) -> int:
+        """Waiting requests that have arrived, counted up to `limit`: `waiting` is in arrival
+        order, so they are a prefix of it (counting all of them would cost O(waiting) per
+        micro-batch, O(N^2) for a run)."""
+        return sum(1 for _ in islice(takewhile(lambda r: r.arrival_s <= now, self.waiting), limit))
+
     def compose(self, now: float) -> list[SeqChunk]:
-        for group in self.groups:
-            live = [r for r in group if not r.finished]
-            if not live or any(r.in_flight for r in live):
+        for group in self.groups:  # the counters spelled out, as in base.py: a hot path
+            live = [r for r in group if r.finish_reason is None]
+            if not live or any(r.num_scheduled > r.num_computed for r in live):  # in flight
                 continue
-            if any(r.in_prefill for r in live):
+            if any(r.num_scheduled < r.prompt_len for r in live):  # in prefill
                 return [self.prefill(r) for r in live]
             return [self.decode(r) for r in live]
         return []

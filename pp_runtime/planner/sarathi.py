@@ -28,9 +28,11 @@ class SarathiPlanner(BasePlanner):
 
     def compose(self, now: float) -> list[SeqChunk]:
         idle = self.idle()
-        prefill = next((r for r in idle if r.in_prefill), None)
+        # `num_scheduled < prompt_len` is `in_prefill`, spelled out on this hot path (base.py)
+        prefill = next((r for r in idle if r.num_scheduled < r.prompt_len), None)
         limit = self.max_batch - 1 if prefill else self.max_batch
-        seqs = [self.decode(r) for r in [r for r in idle if not r.in_prefill][:limit]]
+        ready = [r for r in idle if r.num_scheduled >= r.prompt_len]
+        seqs = [self.decode(r) for r in ready[:limit]]
         if prefill:
             seqs.append(self.prefill(prefill, self.chunk_budget(seqs, prefill.num_scheduled)))
         return seqs
