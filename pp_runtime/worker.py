@@ -12,7 +12,6 @@ of the worker's timer (`telemetry/timer.py`: perf_counter on CPU, CUDA events on
 """
 from __future__ import annotations
 
-from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -53,6 +52,7 @@ class StageWorker:
         self.model = model.eval().requires_grad_(False)
         self.cache = KVCache.for_stage(cfg, self.hi - self.lo, dtype, device)
         self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None
+        self.timer: Timer = device_timer(device)  # times every call (CUDA: anchored once here)
 
     @property
     def is_last(self) -> bool:
@@ -69,11 +69,6 @@ class StageWorker:
         if self.model.is_first:
             x = self.input_ids(mb)
         return self.model(x, self.cache, layout), layout
-
-    @cached_property
-    def timer(self) -> Timer:
-        """Times every call (made on the first: on CUDA it synchronizes once to anchor)."""
-        return device_timer(self.device)
 
     @torch.inference_mode()
     def execute(self, mb: MicroBatch, x: torch.Tensor | None = None):
