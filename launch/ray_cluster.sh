@@ -6,7 +6,11 @@
 #   launch/ray_cluster.sh stop
 #
 # head binds Ray to --ip (default 127.0.0.1: this machine only; give the node's cluster
-# address to take workers) and prints the `pp-runtime run` line to use. Each node runs one
+# address to take workers), starts the dashboard on DASHBOARD_HOST:DASHBOARD_PORT (default
+# 127.0.0.1:8265; RAY_DASHBOARD=false: none) and prints its URL, how to get the token it
+# asks for, and the `pp-runtime run` line to use. Every Ray process here, and the printed
+# driver line, push metrics every RAY_metrics_report_interval_ms (default 2000 here; Ray's
+# own is 10000: docs/monitoring.md). Each node runs one
 # `ray start --block` in the background; its pid and log are kept in $RAY_CLUSTER_DIR
 # (default /tmp/pp-runtime-ray-$UID), and `stop` SIGTERMs that process only, which stops
 # this node's Ray (not other Ray instances on the machine, as `ray stop` would).
@@ -18,6 +22,7 @@ set -euo pipefail
 STATE=${RAY_CLUSTER_DIR:-/tmp/pp-runtime-ray-$(id -u)}
 PID_FILE=$STATE/ray.pid LOG=$STATE/ray.log
 export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+export RAY_metrics_report_interval_ms=${RAY_metrics_report_interval_ms:-2000}
 
 usage() { sed -n '4,6p' "$0" | sed 's/^# */usage: /' >&2; exit 2; }
 
@@ -50,13 +55,27 @@ cmd_head() {
             *) extra+=("$1"); shift ;;
         esac
     done
-    local env_prefix="RAY_AUTH_MODE=$RAY_AUTH_MODE"
+    local env_prefix="RAY_AUTH_MODE=$RAY_AUTH_MODE RAY_metrics_report_interval_ms=$RAY_metrics_report_interval_ms"
     if [[ $ip == 127.* ]]; then  # Ray's switch that keeps every port on 127.0.0.1
         export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
         env_prefix+=" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"
     fi
-    start --head --node-ip-address="$ip" --port="$port" --include-dashboard=false "${extra[@]}"
+    local dash=${RAY_DASHBOARD:-true} dash_host=${DASHBOARD_HOST:-127.0.0.1} dash_port=${DASHBOARD_PORT:-8265}
+    local dash_args=(--include-dashboard=false)
+    if [[ $dash == true ]]; then
+        dash_args=(--include-dashboard=true --dashboard-host="$dash_host" --dashboard-port="$dash_port")
+    fi
+    start --head --node-ip-address="$ip" --port="$port" "${dash_args[@]}" "${extra[@]}"
+    echo "$ip:$port" >"$STATE/head"
     echo "Ray head up at $ip:$port (pid $(cat "$PID_FILE"), log $LOG)."
+    if [[ $dash == true ]]; then
+        local ask=""
+        if [[ $RAY_AUTH_MODE == token ]]; then ask="  (it asks for the token: paste what \`ray get-auth-token\` prints)"; fi
+        echo "Dashboard:  http://$dash_host:$dash_port$ask"
+        if [[ $dash_host == 127.* ]]; then
+            echo "  from another machine:  ssh -L $dash_port:127.0.0.1:$dash_port $(hostname), then the URL above"
+        fi
+    fi
     if [[ $ip != 127.* ]]; then
         echo "On every other node:  launch/ray_cluster.sh worker $ip:$port"
     fi
@@ -90,7 +109,17 @@ cmd_stop() {
     pid=$(cat "$PID_FILE")
     kill -TERM "$pid"  # ray start --block stops its raylet (and the GCS on the head)
     for _ in $(seq 90); do
-        kill -0 "$pid" 2>/dev/null || { rm -f "$PID_FILE"; echo "Ray stopped (pid $pid)"; return 0; }
+        if ! kill -0 "$pid" 2>/dev/null; then
+            # `ray start` leaves /tmp/ray/ray_current_cluster naming our head; a later
+            # address-less ray.init or state API call would try to join it
+            local current=/tmp/ray/ray_current_cluster
+            if [[ -f $STATE/head && -f $current && $(cat "$current") == "$(cat "$STATE/head")" ]]; then
+                rm -f "$current"
+            fi
+            rm -f "$PID_FILE" "$STATE/head"
+            echo "Ray stopped (pid $pid)"
+            return 0
+        fi
         sleep 0.5
     done
     echo "Ray (pid $pid) still running after 45 s; kill -KILL $pid" >&2

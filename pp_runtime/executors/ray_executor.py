@@ -20,18 +20,30 @@ Faults: an actor that dies, a call that raises, or a rank that does not finish w
 `runtime.step_timeout_s` (or `startup_timeout_s` while starting) raises `WorkerFailed`
 naming the stage and rank; the driver then ends every unfinished request with finish
 reason `error`, and `shutdown()` kills every actor and removes the placement group.
+
+Names, for the dashboard and `ray list actors`: every actor is named
+`pp-<deployment>-<executor id>-s<stage>-tp<rank>` in namespace `pp_runtime` (the id, six hex
+digits per executor, keeps two LLMs on one Ray apart), its repr says
+`stage=1 tp_rank=0 layers [6, 12) node 10.0.0.2`, and every call is a task named
+`stage<s>-tp<r>.<method>` (`stage1-tp0.execute`). The actors are not detached: they die
+with the driver at the latest, and `shutdown()` kills them.
 """
 from __future__ import annotations
 
 import os
 import time
+import uuid
 import weakref
 from pathlib import Path
 
 from pp_runtime.batch import MicroBatch, SampledTokens
-from pp_runtime.config import Config
+from pp_runtime.config import Config, stage_layers
 from pp_runtime.errors import ConfigError, WorkerFailed
 from pp_runtime.parallel.groups import DistSpec, free_port
+from pp_runtime.telemetry.metrics import deployment_tag
+
+NAMESPACE = "pp_runtime"  # Ray namespace of every stage actor (`ray list actors` shows it)
+LOCAL_METRICS_INTERVAL_MS = 2000  # a local Ray's metrics reach /metrics within ~2 s (Ray: 10 s)
 
 
 class StageActor:
@@ -39,6 +51,7 @@ class StageActor:
     on the device the driver decided ("cuda": the one GPU Ray gave it, or "cpu")."""
 
     def __init__(self, cfg: Config, stage: int, tp_rank: int, checkpoint: str | None, device: str):
+        import ray
         import torch
 
         from pp_runtime.device import resolve_device
@@ -49,6 +62,12 @@ class StageActor:
         self.cfg, self.stage, self.tp_rank, self.checkpoint = cfg, stage, tp_rank, checkpoint
         self.device = resolve_device(device)  # raises if Ray gave this actor no GPU
         self.worker = None
+        lo, hi = stage_layers(cfg.model.num_layers, cfg.parallel.pp, stage)
+        self.label = (f"stage={stage} tp_rank={tp_rank} layers [{lo}, {hi}) "
+                      f"node {ray.util.get_node_ip_address()}")
+
+    def __repr__(self) -> str:  # Ray shows it as the actor's Repr in the dashboard
+        return self.label
 
     def rendezvous_address(self, local: bool) -> tuple[str, int]:
         """Where rank 0 can listen: this node's address (127.0.0.1 for a local Ray), a free port."""
@@ -130,20 +149,28 @@ class RayExecutor:
                                f"{rt.startup_timeout_s} s; is the cluster big enough?") from None
         actor_cls = ray.remote(StageActor)
         ckpt = str(checkpoint) if checkpoint is not None else None
-        for stage in range(self.pp):
+        prefix = f"pp-{deployment_tag(cfg)}-{uuid.uuid4().hex[:6]}"  # unique per executor
+        self.actor_names = [f"{prefix}-s{s}-tp{r}" for s in range(self.pp) for r in range(self.tp)]
+        for i, name in enumerate(self.actor_names):  # rank order
+            stage, r = divmod(i, self.tp)
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=stage)
-            for r in range(self.tp):
-                self.actors.append(actor_cls.options(
-                    num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy
-                ).remote(cfg, stage, r, ckpt, self.device))
+            self.actors.append(actor_cls.options(
+                name=name, namespace=NAMESPACE, num_cpus=1, num_gpus=gpus,
+                scheduling_strategy=strategy).remote(cfg, stage, r, ckpt, self.device))
         local = rt.ray_address is None
-        addr, port = self._gather([self.actors[0].rendezvous_address.remote(local)],
+        addr, port = self._gather([self._call(0, "rendezvous_address", local)],
                                   rt.startup_timeout_s, "finding a rendezvous address")[0]
         spec = DistSpec(rt.dist_addr or addr, rt.dist_port or port, self.tp, self.pp,
                         self.backend, rt.step_timeout_s)
-        self.warm_ups = self._gather([a.start.remote(spec) for a in self.actors],
+        ranks = range(len(self.actors))
+        self.warm_ups = self._gather([self._call(i, "start", spec) for i in ranks],
                                      rt.startup_timeout_s,
                                      "joining the process group and loading weights")
+
+    def _call(self, i: int, method: str, *args):
+        """`actor.method.remote(*args)` on actor i, as a task named `stage<s>-tp<r>.method`."""
+        task = f"stage{i // self.tp}-tp{i % self.tp}.{method}"
+        return getattr(self.actors[i], method).options(name=task).remote(*args)
 
     # ---- the executor interface --------------------------------------------------------
     def describe(self) -> str:
@@ -151,7 +178,7 @@ class RayExecutor:
 
     def submit(self, mb: MicroBatch) -> tuple[int, list]:
         ref = self.ray.put(mb)  # pickled once; every actor reads the same object
-        return mb.mb_id, [a.execute.remote(ref) for a in self.actors]
+        return mb.mb_id, [self._call(i, "execute", ref) for i in range(len(self.actors))]
 
     def wait(self, handle: tuple[int, list]) -> SampledTokens:
         mb_id, refs = handle
@@ -213,13 +240,16 @@ def _release(actors: list, pgs: list, stop_ray: bool) -> None:
 
 def start_ray(address: str | None, workers: int) -> None:
     """Join a cluster (`address`), or start a local Ray whose every port listens on
-    127.0.0.1 with enough logical CPUs for one per worker."""
+    127.0.0.1 with enough logical CPUs for one per worker, and whose processes push their
+    metrics to the agent every 2 s instead of Ray's 10 s (Ray's own variable
+    `RAY_metrics_report_interval_ms`, when set, wins; docs/monitoring.md)."""
     import ray
 
     if address is not None:
         ray.init(address=address, log_to_driver=True)
         return
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's own switch for 127.0.0.1 only
+    os.environ.setdefault("RAY_metrics_report_interval_ms", str(LOCAL_METRICS_INTERVAL_MS))
     ray.init(address="local",  # a new instance, never a head that `ray start` left running
              num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=False)

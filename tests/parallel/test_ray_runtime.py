@@ -4,7 +4,8 @@ Greedy generation on TP2 x PP2 and PP2 must equal single-process generation toke
 token, with chunked prefills and piggybacked decodes in the micro-batches, after every
 stage pair and TP group warmed its communicators up, with one `ray.put` per micro-batch;
 a killed or hung actor must end the run with an error naming it, within a bounded time;
-the device is decided once on the driver, and `device: cuda:N` is refused."""
+the device is decided once on the driver, and `device: cuda:N` is refused; every actor and
+its calls carry their stage and TP rank in the dashboard's state API."""
 import os
 import socket
 import time
@@ -28,11 +29,18 @@ PLAN = dict(chunk_size=16, max_batch_size=4, tile_size=16, threads_per_worker=1)
 PROMPTS = [[(7 * i + 3 * j) % 290 + 1 for j in range(n)] for i, n in enumerate((37, 9, 52, 20, 3))]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    yield
+    # the dashboard serves the state API (`ray list actors`, `list_tasks`); 127.0.0.1 only
+    ctx = ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+                   dashboard_port=_free_port(), _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield f"http://{ctx.dashboard_url}"
     ray.shutdown()
 
 
@@ -101,6 +109,43 @@ def test_real_and_simulated_runs_split_every_stage_by_cause():
         assert s0["bubble_by_cause_s"]["upstream"] == 0  # stage 0 has no previous stage
         assert s1["bubble_by_cause_s"]["downstream"] == 0  # the last stage sends nothing
     assert all(0 < st["wall_s"] <= wall for st in reports["real"]["summary"]["per_stage"])
+
+
+def test_every_stage_actor_and_call_is_named_in_the_state_api(local_ray):
+    """What the dashboard's Actors and Tasks views show: two LLMs on one Ray, each actor
+    named by deployment, executor id, stage and TP rank (no clash), described by its repr
+    (stage, TP rank, layers, node), its calls named by stage; gone after shutdown."""
+    from ray.util.state import list_actors, list_tasks
+
+    llms = [LLM(tiny()) for _ in range(2)]  # tiny-gpt: 4 layers
+    for llm in llms:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    names = [llm.executor.actor_names for llm in llms]
+    for ns in names:
+        assert [n.rsplit("-", 2)[1:] for n in ns] == [["s0", "tp0"], ["s1", "tp0"]]
+        assert ns[0].startswith("pp-tiny-gpt-tp1xpp2-")
+    assert not set(names[0]) & set(names[1])  # each executor has its own id
+    deadline, want = time.monotonic() + 30, set(names[0] + names[1])
+    api = dict(address=local_ray)  # this Ray's dashboard, not a head another run left behind
+    while True:  # task events reach the state API within about a second
+        alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, **api)
+        actors = {a.name: a for a in alive}
+        tasks = {t.name for t in list_tasks(filters=[("func_or_class_name", "=",
+                                                      "StageActor.execute")], **api)}
+        if want <= set(actors) and {"stage0-tp0.execute", "stage1-tp0.execute"} <= tasks:
+            break
+        assert time.monotonic() < deadline, (sorted(actors), sorted(tasks))
+        time.sleep(0.5)
+    for ns in names:
+        assert [(actors[n].class_name, actors[n].ray_namespace, actors[n].repr_name)
+                for n in ns] == [
+            ("StageActor", "pp_runtime", "stage=0 tp_rank=0 layers [0, 2) node 127.0.0.1"),
+            ("StageActor", "pp_runtime", "stage=1 tp_rank=0 layers [2, 4) node 127.0.0.1")]
+    for llm in llms:
+        llm.shutdown()
+    for n in want:  # a named actor does not outlive its executor
+        with pytest.raises(ValueError):
+            ray.get_actor(n, namespace="pp_runtime")
 
 
 def _run_with_fault(inject, **overrides):
