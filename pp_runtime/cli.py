@@ -141,6 +141,7 @@ def cmd_run(args) -> int:
     print(f"{n} requests, prompts of {min(map(len, prompts))}..{max(map(len, prompts))} "
           f"tokens, {args.max_tokens} new tokens each")
     rec, executor, failed = RunRecorder(time.perf_counter), llm.executor.name, None
+    device = str(llm.executor.device)  # resolved: "cpu" or "cuda", not the config's "auto"
 
     def on_microbatch(mb, out):
         rec(mb, out)
@@ -163,7 +164,7 @@ def cmd_run(args) -> int:
     n_out = sum(len(o.token_ids) for o in outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     out_dir = Path(args.out or f"runs/run-{m.name}-{cfg.planner.planner}")
-    report = write_report(RunResult(cfg, executor, outputs, [rec], elapsed), out_dir)
+    report = write_report(RunResult(cfg, executor, outputs, [rec], elapsed, device=device), out_dir)
     print(f"\n{n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s "
           f"({(n_in + n_out) / elapsed:.0f} tok/s); reports and plots in {out_dir}/")
     print(f"\n{format_summary(report)}")  # last: the run ends with the per-stage table

@@ -153,11 +153,11 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
             on_microbatch(mb, out)
 
     llm = LLM(cfg, checkpoint=checkpoint, executor=executor)
-    name, t0 = llm.executor.name, time.perf_counter()
+    name, device, t0 = llm.executor.name, str(llm.executor.device), time.perf_counter()
     try:
         outputs = llm.generate(prompts, params, record, [s.arrival_s for s in specs])
     except driver.ExecutorFailed as exc:
         outputs = exc.outputs
     finally:
         llm.shutdown()
-    return RunResult(cfg, name, outputs, [rec], time.perf_counter() - t0)
+    return RunResult(cfg, name, outputs, [rec], time.perf_counter() - t0, device=device)

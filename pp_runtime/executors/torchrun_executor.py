@@ -67,6 +67,7 @@ class TorchrunExecutor:
         self.worker, self.ctrl, self.world, self.tp = worker, ctrl, world_size, tp
         self.last = world_size - tp  # TP rank 0 of the last stage: it samples
         self._own: dict[int, tuple] = {}  # mb id -> rank 0's (tokens, timing)
+        self.device = worker.device  # what the stages run on (reports name it)
 
     def describe(self) -> str:
         return f"torchrun ({self.world} ranks, {dist.get_backend()})"

@@ -33,6 +33,7 @@ class RunResult:
     replicas: list[RunRecorder]  # one per data-parallel replica
     run_wall_s: float  # how long the run itself took (a simulation's own runtime)
     cost_sources: dict[str, str] | None = None  # simulator: which source priced each op
+    device: str | None = None  # real runs: the device the stages ran on (cpu, cuda)
 
 
 def _hardware(cfg: Config) -> str:
@@ -98,7 +99,7 @@ def build_report(run: RunResult) -> dict[str, Any]:
         "num_microbatches": sum(rec.num_microbatches for rec in run.replicas),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in requests)),
         "deployment": {"model": m.name, "tp": p.tp, "pp": p.pp, "dp": p.dp,
-                       "gpu": _hardware(cfg) if run.executor == "sim" else cfg.runtime.device,
+                       "gpu": _hardware(cfg) if run.executor == "sim" else (run.device or cfg.runtime.device),
                        "chunk_size": pl.chunk_size, "max_batch_size": pl.max_batch_size},
         "run_wall_s": run.run_wall_s,
     }

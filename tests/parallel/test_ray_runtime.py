@@ -92,6 +92,7 @@ def test_real_and_simulated_runs_split_every_stage_by_cause():
     wall = time.perf_counter() - t0
     reports = {"real": build_report(run), "sim": build_report(simulate(cfg, progress=False))}
     assert reports["real"]["summary"]["executor"] == "ray"
+    assert reports["real"]["summary"]["deployment"]["gpu"] == "cpu"  # resolved, not "auto"
     for kind, report in reports.items():
         s = report["summary"]
         assert s["finish_reasons"] == {"length": 6}, kind
