@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 from pp_runtime.batch import StageTiming
 
@@ -152,6 +152,21 @@ class StageAccumulator:
     def stats(self) -> StageStats:
         return StageStats(self.stage, self.wall_s, self.busy_s, self.transfer_s, self.upstream_s,
                           self.downstream_s, self.dependency_s, self.idle_s, self.num_microbatches)
+
+
+def add_microbatch(stages: dict[int, StageAccumulator], timings: Iterable[StageTiming],
+                   idle_before_s: float = 0.0) -> Iterator[tuple[StageTiming, StageAccumulator, Split]]:
+    """One micro-batch's records into their stages' accumulators (TP rank 0 only: the ranks
+    of a stage run in lock step; a stage's accumulator is made at its first record), in
+    order; yields (timing, accumulator, split) for each. The split's parts add up to the
+    wall time the call added to its stage."""
+    for t in timings:
+        if t.tp_rank != 0:
+            continue
+        acc = stages.get(t.stage)
+        if acc is None:
+            acc = stages[t.stage] = StageAccumulator(t.stage)
+        yield t, acc, acc.add(t, idle_before_s)
 
 
 def account(timings: Iterable[StageTiming],

@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Protocol
 from pp_runtime.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config
 from pp_runtime.request import Request
-from pp_runtime.telemetry.bubbles import StageAccumulator
+from pp_runtime.telemetry.bubbles import StageAccumulator, add_microbatch
 
 
 class Metric(str, Enum):
@@ -192,20 +192,13 @@ class RuntimeMetrics:
     def on_microbatch(self, mb: MicroBatch, out: SampledTokens) -> None:
         """Account the stages (bubble rule), the tokens, and every request it finished."""
         mb_bubble = 0.0
-        for t in out.timings:
-            if t.tp_rank != 0:  # the ranks of a stage run in lock step
-                continue
-            acc = self.stages.get(t.stage)
-            if acc is None:
-                acc = self.stages[t.stage] = StageAccumulator(t.stage)
-            wall_before = acc.wall_s
-            split = acc.add(t, mb.idle_before_s)
+        for t, acc, split in add_microbatch(self.stages, out.timings, mb.idle_before_s):
             mb_bubble += split.charged
             tags = {"stage": str(t.stage)}
             self._record(Metric.STAGE_BUSY, split.busy, tags)
             self._record(Metric.STAGE_TRANSFER, split.transfer, tags)
             self._record(Metric.STAGE_IDLE, split.idle, tags)
-            self._record(Metric.STAGE_WALL, acc.wall_s - wall_before, tags)
+            self._record(Metric.STAGE_WALL, sum(split), tags)  # the parts of this call
             wall = acc.wall_s
             for cause, total in acc.stats().bubble_by_cause_s.items():
                 cause_tags = {**tags, "cause": cause}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pp_runtime.batch import MicroBatch, SampledTokens
-from pp_runtime.telemetry.bubbles import BubbleReport, StageAccumulator
+from pp_runtime.telemetry.bubbles import BubbleReport, StageAccumulator, add_microbatch
 
 TIMELINE_MBS = 300  # micro-batches per timeline window
 
@@ -64,13 +64,7 @@ class RunRecorder:
             else:
                 prefill += s.num_tokens
         bubble, compute, first, last_end = 0.0, 0.0, None, 0.0
-        for t in out.timings:
-            if t.tp_rank != 0:  # the ranks of a stage run in lock step
-                continue
-            acc = self.stages.get(t.stage)
-            if acc is None:
-                acc = self.stages[t.stage] = StageAccumulator(t.stage)
-            split = acc.add(t, mb.idle_before_s)
+        for t, acc, split in add_microbatch(self.stages, out.timings, mb.idle_before_s):
             bubble += split.charged
             compute = max(compute, split.busy)
             start, end = t.compute_start_s - acc.start_s, t.compute_end_s - acc.start_s
