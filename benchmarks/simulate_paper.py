@@ -22,11 +22,13 @@ from pp_runtime.simulate import simulate
 from pp_runtime.telemetry.compare import compare_runs
 from pp_runtime.telemetry.report import format_summary, write_report
 
-RUNS = [  # (directory name, config, planner)
-    ("sarathi-pp", "paper/gpt3_tp8_pp8", "sarathi"),
-    ("orca-pp", "paper/gpt3_tp8_pp8", "orca-best"),
-    ("tp-only", "paper/gpt3_tp8", "orca-best"),
-    ("uniform-pp", "paper/gpt3_tp8_pp8", "uniform"),
+PAPER_RULES = {"chunk_pipelining": False, "in_flight": 8}  # the paper's: pp in flight, one
+#                                                           chunk of a prompt at a time
+RUNS = [  # (directory name, config, planner, overrides)
+    ("sarathi-pp", "paper/gpt3_tp8_pp8", "sarathi", PAPER_RULES),
+    ("orca-pp", "paper/gpt3_tp8_pp8", "orca-best", PAPER_RULES),
+    ("tp-only", "paper/gpt3_tp8", "orca-best", {}),
+    ("uniform-pp", "paper/gpt3_tp8_pp8", "uniform", {}),  # this project's defaults
 ]
 PAPER = {"orca-pp / sarathi-pp bubble": 6.29, "orca-pp / sarathi-pp makespan": 1.91,
          "tp-only / sarathi-pp makespan": 1.48, "orca-pp / tp-only makespan": 1.28}
@@ -41,8 +43,9 @@ def main() -> None:
     out = Path(args.out)
     summaries, times = {}, {}
     t_all = time.perf_counter()
-    for name, config, planner in RUNS:
-        cfg = load_config(config, planner=planner, **{"workload.num_requests": args.requests})
+    for name, config, planner, overrides in RUNS:
+        cfg = load_config(config, planner=planner, **{"workload.num_requests": args.requests},
+                          **overrides)
         t0 = time.perf_counter()
         run = simulate(cfg, progress=not args.no_progress)
         t1 = time.perf_counter()
@@ -54,7 +57,7 @@ def main() -> None:
               flush=True)
         if name == "tp-only":
             three = time.perf_counter() - t_all
-    print(compare_runs([out / name for name, _, _ in RUNS], out))
+    print(compare_runs([out / name for name, *_ in RUNS], out))
 
     def ratio(a, b, key):
         get = (lambda s: s["makespan_s"]) if key == "makespan" else \

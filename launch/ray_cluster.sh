@@ -34,7 +34,7 @@ start() {  # start ARGS...: `ray start --block ARGS` in the background, wait unt
         exit 1
     fi
     mkdir -p "$STATE"
-    if [[ $RAY_AUTH_MODE == token ]]; then ray get-auth-token --generate >/dev/null 2>&1; fi
+    if [[ $RAY_AUTH_MODE == token ]]; then (umask 077; ray get-auth-token --generate >/dev/null 2>&1); fi  # the token file 0600
     nohup ray start --block --disable-usage-stats --log-color=false "$@" >"$LOG" 2>&1 </dev/null &
     echo $! >"$PID_FILE"
     for _ in $(seq 120); do
@@ -80,6 +80,7 @@ cmd_head() {
         echo "On every other node:  launch/ray_cluster.sh worker $ip:$port"
     fi
     echo "Then run:  $env_prefix pp-runtime run --config CONFIG --workload --set ray_address=$ip:$port"
+    echo "Or serve:  $env_prefix pp-runtime serve --config CONFIG --set ray_address=$ip:$port  (ready when: curl -sf http://127.0.0.1:8000/health)"
 }
 
 cmd_worker() {

@@ -8,17 +8,24 @@
   pp-runtime compare  run several planners / deployments on one workload, print ratios
   pp-runtime report   re-print and re-plot a finished run directory
   pp-runtime profile  measure this machine's operation times into a profile the simulator loads
+  pp-runtime serve    an OpenAI-compatible HTTP server over the pipeline (streaming,
+                      /health, /metrics); 127.0.0.1 unless --host
+  pp-runtime bench serve  load generator and capacity search against `pp-runtime serve`
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import yaml
 
+from pp_runtime import interrupt
 from pp_runtime.config import CheckpointError, Config, ConfigError, load_config
 from pp_runtime.errors import WorkerFailed
 from pp_runtime.memory import memory_plan
@@ -32,7 +39,12 @@ def _parse_overrides(pairs: list[str]) -> dict:
         if "=" not in pair:
             raise ConfigError(f"--set {pair!r}: expected FIELD=VALUE, e.g. --set chunk_size=64")
         key, value = pair.split("=", 1)
-        out[key] = yaml.safe_load(value)  # "64" -> 64, "true" -> True, "null" -> None
+        try:
+            out[key] = yaml.safe_load(value)  # "64" -> 64, "true" -> True, "null" -> None
+        except yaml.YAMLError as exc:
+            problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
+            raise ConfigError(f"--set {pair!r}: the value is not valid YAML ({problem}); "
+                              "quote a string value, e.g. --set 'name=\"[x\"'") from exc
     return out
 
 
@@ -118,6 +130,7 @@ def cmd_run(args) -> int:
         overrides["planner"] = args.planner
     base = _run_base_config(args)
     cfg = base.with_overrides(**overrides) if overrides else base.validate()
+    n, lo, hi = _run_prompt_args(args, cfg.seq_len)  # before anything starts
     print(_what_runs(cfg, args), flush=True)
     llm = LLM(cfg, checkpoint=args.checkpoint)
     cfg = llm.config
@@ -127,14 +140,9 @@ def cmd_run(args) -> int:
           f"tp={p.tp} pp={p.pp}, planner {cfg.planner.planner}: chunk {cfg.planner.chunk_size}, "
           f"B={cfg.planner.max_batch_size}; KV cache {cfg.num_slots} slots x {cfg.seq_len} "
           f"tokens = {kv_cache_bytes(cfg) / 2**20:.0f} MiB; ready in {time.perf_counter() - t0:.1f} s")
-    n, seed = args.requests or 8, args.seed or 0
+    seed = args.seed or 0
     rng = random.Random(seed)
-    hi = min(args.max_prompt, cfg.seq_len - args.max_tokens)
-    if hi < 1:
-        llm.shutdown()
-        raise ConfigError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
-                          f"{cfg.seq_len} positions")
-    prompts = [[rng.randrange(m.vocab_size) for _ in range(rng.randint(min(args.min_prompt, hi), hi))]
+    prompts = [[rng.randrange(m.vocab_size) for _ in range(rng.randint(lo, hi))]
                for _ in range(n)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=seed)
@@ -151,7 +159,9 @@ def cmd_run(args) -> int:
     t1 = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params, on_microbatch=on_microbatch)
-    except ExecutorFailed as exc:
+    except (ExecutorFailed, KeyboardInterrupt) as exc:  # a dead worker; Ctrl-C or SIGTERM
+        if not hasattr(exc, "outputs"):  # interrupted before the requests were added
+            raise
         outputs, failed = exc.outputs, exc
     finally:
         llm.shutdown()
@@ -164,13 +174,70 @@ def cmd_run(args) -> int:
     n_out = sum(len(o.token_ids) for o in outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     out_dir = Path(args.out or f"runs/run-{m.name}-{cfg.planner.planner}")
-    report = write_report(RunResult(cfg, executor, outputs, [rec], elapsed, device=device), out_dir)
+    stopped = _stopped_by(failed)
+    report = write_report(RunResult(cfg, executor, outputs, [rec], elapsed, device=device,
+                                    interrupted_by=stopped), out_dir)
     print(f"\n{n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s "
-          f"({(n_in + n_out) / elapsed:.0f} tok/s); reports and plots in {out_dir}/")
+          f"({(n_in + n_out) / elapsed:.0f} tok/s); {'partial ' * bool(stopped)}reports and "
+          f"plots in {out_dir}/")
     print(f"\n{format_summary(report)}")  # last: the run ends with the per-stage table
     if failed:
+        failed.report_dir = out_dir
         raise failed
     return 0
+
+
+def _stopped_by(exc: BaseException | None) -> str | None:
+    """What a report's `interrupted_by` says: SIGINT, SIGTERM, worker failure, or None."""
+    if exc is None:
+        return None
+    return interrupt.signal_name(exc) if isinstance(exc, KeyboardInterrupt) else "worker failure"
+
+
+@contextlib.contextmanager
+def _partial_report(out: Path):
+    """Write the partial result an interrupted run attached (`exc.result`, from simulate
+    or run_workload) to out, and re-raise with the report attached (`exc.report`)."""
+    from pp_runtime.telemetry.report import write_report
+
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        if getattr(exc, "result", None) is not None:
+            exc.report, exc.report_dir = write_report(exc.result, out), out
+        raise
+
+
+def _run_prompt_args(args, seq_len: int) -> tuple[int, int, int]:
+    """`run`'s requests and prompt lengths (n, shortest, longest), checked against each
+    other and the context before anything starts. Unset lengths fit the context: the
+    longest prompt defaults to min(600, context - max_tokens), the shortest to min(32, it);
+    lengths the user gave are never clipped silently."""
+    def bad(flag: str, problem: str) -> ConfigError:
+        return ConfigError(f"{flag}: {problem}")
+    n = 8 if args.requests is None else args.requests
+    if n < 1:
+        raise bad("--requests", f"must be >= 1, got {n}")
+    if args.max_tokens < 1:
+        raise bad("--max-tokens", f"must be >= 1, got {args.max_tokens}")
+    problems = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p).problems()
+    if problems:
+        raise bad("--temperature/--top-p", problems[0])
+    room = seq_len - args.max_tokens  # positions left for a prompt
+    if room < 1:
+        raise bad("--max-tokens", f"{args.max_tokens} leaves no room for a prompt in the "
+                  f"{seq_len}-token context; lower it")
+    hi = min(600, room) if args.max_prompt is None else args.max_prompt
+    lo = min(32, hi) if args.min_prompt is None else args.min_prompt
+    if lo < 1:
+        raise bad("--min-prompt", f"must be >= 1, got {lo}")
+    if hi < lo:
+        raise bad("--max-prompt", f"{hi} is below --min-prompt {lo}")
+    if hi > room:
+        raise bad("--max-prompt", f"{hi} + --max-tokens {args.max_tokens} exceeds the "
+                  f"{seq_len}-token context; use --max-prompt {room} or less")
+    return n, lo, hi
 
 
 def _run_config_workload(args) -> int:
@@ -188,7 +255,12 @@ def _workload_report(args, to, kind: str, verb: str) -> dict:
 
     cfg = config_from_args(args.config, args)
     out = Path(args.out or f"runs/{kind}-{cfg.model.name}-{cfg.planner.planner}")
-    report = to(cfg, out, not args.quiet)
+    try:
+        report = to(cfg, out, not args.quiet)
+    except KeyboardInterrupt as exc:  # the partial report: written by `to`, printed here
+        if getattr(exc, "report", None) is not None:
+            print(format_summary(exc.report), flush=True)
+        raise
     print(format_summary(report))
     print(f"  {verb} in {report['summary']['run_wall_s']:.1f} s; reports and plots in {out}/")
     return report
@@ -201,6 +273,8 @@ def kv_cache_bytes(cfg: Config) -> int:
 
 
 def cmd_memory(args) -> int:
+    if args.device_memory_gb is not None and not args.device_memory_gb > 0:
+        raise ConfigError(f"--device-memory-gb: must be > 0, got {args.device_memory_gb}")
     cfg = _config(args)
     plan = memory_plan(cfg, args.device_memory_gb)
     print(f"{cfg.model.name}: tp={cfg.parallel.tp} pp={cfg.parallel.pp}, "
@@ -217,14 +291,21 @@ def config_from_args(config: str | None, args, planner: str | None = None) -> Co
         overrides["workload.num_requests"] = args.requests
     if args.seed is not None:
         overrides["workload.seed"] = args.seed
-    return load_config(config, **overrides) if config else Config().with_overrides(**overrides)
+    cfg = load_config(config, **overrides) if config else Config().with_overrides(**overrides)
+    if args.requests is not None and cfg.workload.kind == "trace":
+        raise ConfigError(f"--requests {args.requests}: a trace workload has its own requests "
+                          f"(every line of {cfg.workload.trace}); drop --requests, or cut the "
+                          "trace file")
+    return cfg
 
 
 def _simulate_to(cfg: Config, out: Path, progress: bool = True) -> dict:
     from pp_runtime.simulate import simulate
     from pp_runtime.telemetry.report import write_report
 
-    return write_report(simulate(cfg, progress=progress), out)
+    with _partial_report(out):
+        run = simulate(cfg, progress=progress)
+    return write_report(run, out)
 
 
 def _run_to(cfg: Config, out: Path, progress: bool = True) -> dict:
@@ -236,8 +317,8 @@ def _run_to(cfg: Config, out: Path, progress: bool = True) -> dict:
     from pp_runtime.workload import generate
 
     total = sum(s.output_len for s in generate(cfg.workload))
-    with tqdm(total=total, unit="tok", disable=not progress, leave=False,
-              desc=f"run {cfg.planner.planner}") as bar:
+    with _partial_report(out), tqdm(total=total, unit="tok", disable=not progress, leave=False,
+                                    desc=f"run {cfg.planner.planner}") as bar:
         run = run_workload(cfg, on_microbatch=lambda mb, res: bar.update(len(res.tokens)))
     return write_report(run, out)
 
@@ -264,8 +345,9 @@ def cmd_compare(args) -> int:
 
     out = Path(args.out or "runs/compare")
     runs = []
-    for config, planner in _run_specs(args):
-        cfg = config_from_args(config, args, planner)
+    configs = [(config, config_from_args(config, args, planner))  # all checked before any runs
+               for config, planner in _run_specs(args)]
+    for config, cfg in configs:
         label = f"{Path(config).stem}-{cfg.planner.planner}"
         print(f"== {label}: {cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
               f"dp={cfg.parallel.dp}, B={cfg.planner.max_batch_size}, "
@@ -281,12 +363,19 @@ def cmd_report(args) -> int:
     from pp_runtime.telemetry.plots import plot_run
     from pp_runtime.telemetry.report import format_summary, read_report
 
+    report = read_report(args.dir)  # ConfigError naming the file when it is not a report
     try:
-        report = read_report(args.dir)
-    except FileNotFoundError as exc:
-        raise ConfigError(str(exc)) from exc
-    print(format_summary(report))
-    for path in plot_run(args.dir):
+        summary = format_summary(report)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{args.dir}/report.json: an incomplete or older report: "
+                          f"{type(exc).__name__} {exc}; re-run to write it again") from exc
+    print(summary)
+    try:
+        paths = plot_run(args.dir)
+    except (OSError, KeyError, ValueError) as exc:  # a csv file missing or cut short
+        raise ConfigError(f"{args.dir}: cannot plot: {exc}; re-run to write the run "
+                          "directory again") from exc
+    for path in paths:
         print(f"  wrote {path}")
     return 0
 
@@ -306,9 +395,32 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from pp_runtime.serve.server import serve  # fastapi and uvicorn: only for this command
+
+    overrides = _parse_overrides(args.set)
+    base = _run_base_config(args)
+    cfg = base.with_overrides(**overrides) if overrides else base.validate()
+    if args.max_waiting < 0:
+        raise ConfigError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    print(_what_runs(cfg, args), flush=True)
+    api_key = args.api_key or os.environ.get("PP_RUNTIME_API_KEY") or None
+    try:
+        return serve(cfg, args.checkpoint, args.host, args.port, api_key, args.max_waiting)
+    except KeyboardInterrupt as exc:  # uvicorn stopped cleanly, then re-raised the signal
+        print(f"pp-runtime serve: stopped ({interrupt.reason(exc)}); open requests were "
+              "aborted and the workers released", file=sys.stderr)
+        return interrupt.exit_code(exc)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pp-runtime", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Exit codes: 0 done, 1 the run failed (a worker died), "
+                                       "2 bad input (the message names it), 130 / 143 "
+                                       "interrupted by Ctrl-C / SIGTERM. docs/errors.md")
+    p.add_argument("--debug", action="store_true",
+                   help="show the Python traceback of an error (also PP_RUNTIME_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp, default="built-in"):
@@ -329,8 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint", help="Hugging Face-format model directory (pp=1 in this "
                                           "process unless --set pp=N)")
     run.add_argument("--requests", type=int, default=None, help="requests (default 8)")
-    run.add_argument("--min-prompt", type=int, default=32)
-    run.add_argument("--max-prompt", type=int, default=600)
+    run.add_argument("--min-prompt", type=int, default=None,
+                     help="shortest random prompt (default: min(32, --max-prompt))")
+    run.add_argument("--max-prompt", type=int, default=None,
+                     help="longest random prompt (default: min(600, context - max tokens))")
     run.add_argument("--max-tokens", type=int, default=24)
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
@@ -382,19 +496,65 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--quick", action="store_true", help="fewer points (about a minute)")
     prof.add_argument("--quiet", action="store_true", help="no progress bar")
     prof.set_defaults(func=cmd_profile)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the pipeline",
+                         description="Serve the model over HTTP with OpenAI's API: "
+                                     "/v1/completions and /v1/chat/completions (stream: true for "
+                                     "server-sent events), /v1/models, /health (200 once every "
+                                     "stage worker is up), /metrics (Prometheus: TTFT, time "
+                                     "between tokens, queue, per-stage busy and bubble by cause). "
+                                     "Listens on 127.0.0.1 unless --host says otherwise. "
+                                     "docs/serving.md")
+    common(srv, f"{RUN_DEFAULT_CONFIG} (2 Ray stage actors); 'default' = all in this process")
+    srv.add_argument("--checkpoint", help="Hugging Face-format model directory; its tokenizer "
+                                          "is used when present (pp=1 unless --set pp=N)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1: this machine only; "
+                          "0.0.0.0 opens it to the network: set --api-key)")
+    srv.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health "
+                          "(default: $PP_RUNTIME_API_KEY, else no key)")
+    srv.add_argument("--max-waiting", type=int, default=1024,
+                     help="requests allowed to wait for a KV slot; beyond it 429 with "
+                          "Retry-After (default 1024)")
+    srv.set_defaults(func=cmd_serve)
+
+    from pp_runtime.bench import add_serve_parser  # `pp-runtime bench serve` (pp_runtime/bench.py)
+    bench = sub.add_parser("bench", help="benchmarks against a running server: load, capacity")
+    add_serve_parser(bench.add_subparsers(dest="bench", required=True))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    with interrupt.handled():  # SIGTERM ends a command as Ctrl-C does (pp_runtime/interrupt.py)
+        args = build_parser().parse_args(argv)
+        debug = args.debug or os.environ.get("PP_RUNTIME_DEBUG", "") not in ("", "0")
+        try:
+            return _run_command(args, debug)
+        except KeyboardInterrupt as exc:
+            if debug:
+                traceback.print_exc()
+            where = getattr(exc, "report_dir", None)
+            print(f"pp-runtime: {interrupt.reason(exc)}: stopped, " + (
+                f"unfinished requests ended with finish reason error; partial report in {where}/"
+                if where else "nothing was running yet; no report"), file=sys.stderr)
+            return interrupt.exit_code(exc)  # 130 for SIGINT, 143 for SIGTERM
+
+
+def _run_command(args, debug: bool) -> int:
+    """The command; user errors exit 2, a failed run 1 (docs/errors.md)."""
     try:
         return args.func(args)
     except (ConfigError, InvalidRequestError, CheckpointError) as exc:
+        if debug:
+            traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ExecutorFailed as exc:
-        print(f"error: the run failed, unfinished requests ended with finish reason error: {exc}",
-              file=sys.stderr)
+        where = getattr(exc, "report_dir", None)
+        print(f"error: the run failed, unfinished requests ended with finish reason error: {exc}"
+              + (f"; partial report in {where}/" if where else ""), file=sys.stderr)
         return 1
     except WorkerFailed as exc:
         print(f"error: the workers could not start: {exc}", file=sys.stderr)

@@ -20,7 +20,8 @@ import yaml
 FAMILIES = ("gpt", "llama")
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per element
 AUTO_DTYPE = "auto"  # model.dtype: the checkpoint's dtype on a GPU, float32 on a CPU
-PLANNERS = ("sarathi", "orca-best", "orca-worst", "request-level", "vllm", "uniform")
+PLANNERS = ("sarathi", "orca-best", "orca-worst", "request-level", "vllm", "uniform",
+            "sarathi-serve", "gllm")
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # shipped configs, inside the package
 
 
@@ -115,14 +116,19 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages; up to pp micro-batches are in flight
     dp: int = 1  # data-parallel replicas of the tp x pp deployment (the simulator routes
     #              each request to the least-loaded one)
+    layer_split: list[int] | str | None = None  # decoder layers per stage: a list (one count
+    #   per stage, each >= 1, summing to num_layers), "auto" (stage times equalised by the
+    #   cost model: stage 0 also embeds, the last stage runs the LM head), or None: even,
+    #   earlier stages take the remainder. `Config.layers_per_stage` reads it.
 
 
-def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
-    """Layers [lo, hi) of a pipeline stage: as even as possible, earlier stages take the
-    remainder."""
+LAYER_SPLIT_AUTO = "auto"  # parallel.layer_split chosen by costmodel/balance.py
+
+
+def even_split(num_layers: int, pp: int) -> list[int]:
+    """Layers per stage, as even as possible; earlier stages take the remainder."""
     base, extra = divmod(num_layers, pp)
-    lo = stage * base + min(stage, extra)
-    return lo, lo + base + (1 if stage < extra else 0)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
 @dataclass(frozen=True)
@@ -135,14 +141,23 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    planner: str = "sarathi"  # micro-batch policy
+    planner: str = "uniform"  # micro-batch policy (docs/planner.md; uniform: measured best)
     chunk_size: int = 256  # prefill tokens per micro-batch (C); tile-aligned with decodes
+    #                        (sarathi-serve: the whole token budget, decodes included)
     max_batch_size: int = 8  # B: sequences per micro-batch (1 prefill chunk + B-1 decodes)
     tile_size: int = 128  # GPU matmul tile; chunk + decodes should be a multiple of it
     tile_align: bool = True  # shrink the chunk by the piggybacked decodes so chunk + decodes = C
     token_budget: int | None = None  # vllm: prefill tokens per micro-batch; None = max_seq_len
-    target_ms: float | None = None  # uniform: predicted ms per micro-batch; None = a full
-    #                                 SARATHI micro-batch with decodes at half the KV length
+    target_ms: float | None = None  # uniform: cap on a micro-batch's predicted ms (the
+    #                                 simulator's cost model); None = no cap (docs/planner.md)
+    chunk_pipelining: bool = True  # a prompt's next chunk may enter the pipeline while its
+    #                                previous chunks are in flight (stages run in order, so
+    #                                its KV is written first); false: one micro-batch at a time
+    pack_prefills: bool = True  # uniform: a prompt's last chunk leaves room -> the next
+    #                             prompt's first chunk fills it
+    in_flight: int | None = None  # micro-batches in the pipeline at once; None = pp + 1
+    #                               (pp > 1: one more hides the return of results to the
+    #                               planner, as vLLM's async scheduling does), 1 with pp = 1
 
 
 @dataclass(frozen=True)
@@ -201,9 +216,44 @@ class Config:
         return self.cache.max_seq_len or self.model.max_positions
 
     @property
+    def in_flight(self) -> int:
+        """Micro-batches the driver keeps in the pipeline: planner.in_flight, else pp + 1
+        (1 with pp = 1). benchmarks/planners.py measures pp against pp + 1."""
+        pp = self.parallel.pp
+        return self.planner.in_flight or (pp + 1 if pp > 1 else 1)
+
+    @property
     def num_slots(self) -> int:
         """KV slots per stage: requests that can be admitted at once."""
         return self.cache.kv_slots or self.parallel.pp * self.planner.max_batch_size
+
+    # ---- pipeline stages -----------------------------------------------------------
+    def layers_per_stage(self) -> list[int]:
+        """Decoder layers of each stage: `parallel.layer_split` resolved. The only reader
+        of that field: workers (and so the checkpoint loader), the memory check and the
+        cost model all cut the model here. "auto" prices the workload's micro-batches with
+        the cost model (the one import pointing up, deferred; cached per process)."""
+        split, m, pp = self.parallel.layer_split, self.model, self.parallel.pp
+        if split is None:
+            return even_split(m.num_layers, pp)
+        if split == LAYER_SPLIT_AUTO:
+            from pp_runtime.costmodel.balance import auto_layer_split
+
+            return auto_layer_split(self)
+        return list(split)
+
+    def stage_layers(self, stage: int) -> tuple[int, int]:
+        """Layers [lo, hi) of a pipeline stage."""
+        counts = self.layers_per_stage()
+        lo = sum(counts[:stage])
+        return lo, lo + counts[stage]
+
+    def with_layer_split_resolved(self) -> "Config":
+        """A copy whose layer_split is the explicit list ("auto" chosen here, once: what
+        an executor hands its workers, so every process cuts the model the same way)."""
+        if self.parallel.layer_split != LAYER_SPLIT_AUTO:
+            return self
+        return self.with_overrides(layer_split=self.layers_per_stage())
 
     # ---- construction ----------------------------------------------------------------
     def with_overrides(self, **overrides: Any) -> "Config":
@@ -247,7 +297,7 @@ def _check_types(section: str, obj: Any) -> None:
         kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
         wanted = [k for k in kinds if k in str(f.type)]
         optional = "None" in str(f.type)
-        if value is None and optional:
+        if (value is None and optional) or "list[" in str(f.type):  # lists: checked by field
             continue
         ok = any(
             isinstance(value, kinds[k]) and not (k in ("int", "float") and isinstance(value, bool))
@@ -300,6 +350,7 @@ def validate(cfg: Config) -> None:
     _check(m.num_layers >= p.pp, "parallel.pp",
            f"{m.num_layers} layers cannot fill {p.pp} pipeline stages",
            f"use pp <= {m.num_layers}")
+    _check_layer_split(m.num_layers, p)
     _check(pl.planner in PLANNERS, "planner.planner", f"unknown planner {pl.planner!r}",
            f"use one of {', '.join(PLANNERS)}")
     _check(pl.chunk_size >= 1, "planner.chunk_size", f"must be >= 1, got {pl.chunk_size}",
@@ -314,6 +365,8 @@ def validate(cfg: Config) -> None:
            "raise chunk_size above max_batch_size or set tile_align: false")
     _check(pl.token_budget is None or pl.token_budget >= 1, "planner.token_budget",
            f"must be >= 1, got {pl.token_budget}", "leave it unset for max_seq_len")
+    _check(pl.in_flight is None or pl.in_flight >= 1, "planner.in_flight",
+           f"must be >= 1, got {pl.in_flight}", "leave it unset for pp")
     _check(pl.target_ms is None or pl.target_ms > 0, "planner.target_ms",
            f"must be > 0, got {pl.target_ms}", "leave it unset for the default target")
     _check(c.kv_slots is None or c.kv_slots >= 1, "cache.kv_slots",
@@ -337,6 +390,24 @@ def validate(cfg: Config) -> None:
            f"must be >= 1, got {rt.threads_per_worker}", "leave it unset for cores / workers")
     _check(rt.step_timeout_s > 0 and rt.startup_timeout_s > 0, "runtime.step_timeout_s",
            "timeouts must be > 0", "use e.g. 120 and 300 seconds")
+
+
+def _check_layer_split(num_layers: int, p: ParallelConfig) -> None:
+    split, where = p.layer_split, "parallel.layer_split"
+    fix = (f"give {p.pp} counts (one per stage, each >= 1) summing to model.num_layers = "
+           f"{num_layers}, e.g. {even_split(num_layers, p.pp)}, or use auto (balanced by the "
+           f"cost model) or null (even split)")
+    if split is None or split == LAYER_SPLIT_AUTO:
+        return
+    _check(isinstance(split, (list, tuple)), where,
+           f"unknown value {split!r}" if isinstance(split, str) else f"got {split!r}", fix)
+    _check(all(isinstance(k, int) and not isinstance(k, bool) for k in split), where,
+           f"{list(split)} holds a non-integer", fix)
+    _check(len(split) == p.pp, where, f"{list(split)} has {len(split)} entries for pp = {p.pp}",
+           fix)
+    _check(min(split) >= 1, where, f"{list(split)} leaves a stage with no layer", fix)
+    _check(sum(split) == num_layers, where,
+           f"{list(split)} sums to {sum(split)} layers, the model has {num_layers}", fix)
 
 
 # ---- YAML --------------------------------------------------------------------------------
@@ -399,7 +470,10 @@ def load_config(name_or_path: str | Path, **overrides: Any) -> Config:
     path = find_config(name_or_path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model:, parallel:, "
+                          f"planner: ...), got a YAML {type(data).__name__}")
     cfg = config_from_dict(data, str(path))
     return cfg.with_overrides(**overrides) if overrides else cfg

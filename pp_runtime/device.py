@@ -5,6 +5,8 @@ import time
 
 import torch
 
+from pp_runtime.errors import ConfigError
+
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -13,7 +15,7 @@ def resolve_device(name: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"runtime.device: {name!r} asked for, but CUDA is not available; "
+        raise ConfigError(f"runtime.device: {name!r} asked for, but CUDA is not available; "
                            "use device: auto or cpu")
     return device
 

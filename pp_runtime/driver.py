@@ -27,6 +27,16 @@ class Planner(Protocol):
     def abort_all(self, reason: FinishReason, now: float) -> list[Request]: ...
 
 
+class Intake(Protocol):
+    """Requests that come in while the loop runs (the online engine, engine.py)."""
+
+    def pull(self, planner: Planner, now: float) -> None:
+        """Hand the planner every request that has arrived by `now`; apply aborts."""
+
+    def wait(self) -> bool:
+        """Block until `pull` has something to hand over; False once closed (the loop ends)."""
+
+
 OnMicroBatch = Callable[[MicroBatch, SampledTokens], None]
 
 
@@ -37,8 +47,8 @@ class ExecutorFailed(RuntimeError):
 def run(planner: Planner, executor: Executor, depth: int,
         clock: Callable[[], float] = time.perf_counter,
         on_microbatch: OnMicroBatch | None = None,
-        sleep: Callable[[float], None] = time.sleep) -> None:
-    """Run until the planner has no work left.
+        sleep: Callable[[float], None] = time.sleep, intake: Intake | None = None) -> None:
+    """Run until the planner has no work left (with an `intake`: until it is closed).
 
     With nothing in flight and nothing arrived, sleep until the next arrival; that stretch,
     from the last result to the arrival, is the system's idle time, handed to the stages'
@@ -46,14 +56,30 @@ def run(planner: Planner, executor: Executor, depth: int,
     can use it on its own clock). On an executor error, end every unfinished request with
     finish reason `error` and raise ExecutorFailed. Any other error (a planner or callback
     bug) drains the micro-batches in flight, ends the unfinished requests the same way and
-    propagates unchanged: the executor stays usable.
+    propagates unchanged: the executor stays usable. A KeyboardInterrupt (Ctrl-C, or SIGTERM
+    under `interrupt.handled()`) ends them the same way at once, without waiting for the
+    micro-batches in flight, and propagates: the caller shuts the executor down.
+
+    With an `intake` the loop pulls new requests and aborts before every decision, and
+    when the planner has no work it blocks in `intake.wait()` instead of returning; the
+    stretch from the last result to the first request that ends the wait is idle time,
+    handed on as above.
     """
     in_flight: deque[tuple[MicroBatch, object]] = deque()
     quiet_since = clock()  # when the last result came back (the run's start before any)
     idle_until: float | None = None  # the arrival the driver last slept for
     now = quiet_since
     try:
-        while planner.has_work():
+        while True:
+            if intake is not None:
+                empty = not in_flight and not planner.has_work()
+                intake.pull(planner, clock())
+                if empty and planner.has_work():  # the first arrival after an idle stretch
+                    idle_until = planner.next_arrival_s()
+            if not planner.has_work():
+                if intake is not None and intake.wait():
+                    continue
+                break
             while len(in_flight) < depth:
                 now = clock()  # one reading per decision: what schedule() saw is what counts
                 mb = planner.schedule(now)
@@ -77,7 +103,7 @@ def run(planner: Planner, executor: Executor, depth: int,
             planner.on_result(mb, out, quiet_since)
             if on_microbatch:
                 on_microbatch(mb, out)
-    except ExecutorFailed:
+    except (ExecutorFailed, KeyboardInterrupt):
         planner.abort_all(FinishReason.ERROR, clock())
         raise
     except Exception:

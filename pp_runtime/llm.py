@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -9,10 +10,9 @@ from pp_runtime import driver
 from pp_runtime.config import Config, load_config
 from pp_runtime.executors import make_executor
 from pp_runtime.model.loader import model_config_from_hf, read_hf_config
-from pp_runtime.planner import make_planner
+from pp_runtime.engine import Engine
 from pp_runtime.telemetry.report import RunResult
-from pp_runtime.request import (InvalidRequestError, Request, RequestOutput, SamplingParams,
-                                check_prompt)
+from pp_runtime.request import FinishReason, RequestOutput, SamplingParams, check_requests
 
 
 class LLM:
@@ -35,7 +35,7 @@ class LLM:
         self.checkpoint = checkpoint
         # an executor built by the caller (the torchrun launcher's), else the config's
         self.executor = executor if executor is not None else make_executor(self.config, checkpoint)
-        self._next_id = 0
+        self._engine: Engine | None = None  # made on first use: `engine`
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **overrides) -> "LLM":
@@ -57,68 +57,57 @@ class LLM:
         unfinished request ends with finish reason `error` and ExecutorFailed is raised
         with the outputs attached (`exc.outputs`).
         """
-        prompts = [list(p) if isinstance(p, (list, tuple)) else p for p in prompt_token_ids]
-        if params is None:
-            params = SamplingParams()
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
-        arrivals = [0.0] * len(prompts) if arrival_s is None else [float(a) for a in arrival_s]
-        if len(arrivals) != len(prompts) or any(b < a for a, b in zip(arrivals, arrivals[1:])):
-            raise InvalidRequestError("arrival_s needs one non-decreasing time per prompt")
-        m = self.config.model
-        problems = [f"request {i}: {'; '.join(errs)}" for i, (p, sp) in enumerate(zip(prompts, plist))
-                    if (errs := check_prompt(p, sp, m.vocab_size, self.config.seq_len))]
-        if problems:
-            raise InvalidRequestError(f"{len(problems)} of {len(prompts)} requests rejected, "
-                                      "none run:\n  " + "\n  ".join(problems))
+        prompts, plist, arrivals = check_requests(prompt_token_ids, params, arrival_s,
+                                                  self.config.model.vocab_size, self.config.seq_len)
 
-        planner = make_planner(self.config)
-        start = time.perf_counter()
-        clock = lambda: time.perf_counter() - start  # noqa: E731  seconds since the call began
-        requests = []
-        for i, (prompt, sp) in enumerate(zip(prompts, plist)):
-            seed = sp.seed if sp.seed is not None else self.config.runtime.seed * 1_000_003 + i
-            req = Request(self._next_id, prompt, sp, seed, arrival_s=arrivals[i])
-            self._next_id += 1
-            requests.append(req)
-            planner.add(req)
-        self.run_requests(requests, planner, clock, on_microbatch)
-        return [r.output() for r in requests]
-
-    def run_requests(self, requests: list[Request], planner, clock,
-                     on_microbatch: driver.OnMicroBatch | None = None) -> None:
-        """Run requests already added to `planner` to the end. On an executor failure the
-        executor is torn down (this LLM cannot run again), every unfinished request ends
-        with finish reason error, and ExecutorFailed carries the outputs (`exc.outputs`)."""
         if self.executor is None:
             raise RuntimeError("this LLM was shut down (after shutdown() or a failed run)")
-        executor = self.executor
-        if executor.name == "ray" and self.config.runtime.metrics:  # live Ray metrics
-            executor, on_microbatch = self._with_metrics(requests, planner, clock, on_microbatch)
+        engine = self.engine
+        watcher = engine.watch(on_microbatch) if on_microbatch else None
+        base = engine.now()  # the call's start on the engine clock; outputs count from it
+        handles = []
         try:
-            driver.run(planner, executor, self.config.parallel.pp, clock, on_microbatch)
-        except driver.ExecutorFailed as exc:
+            for i, (prompt, sp, at) in enumerate(zip(prompts, plist, arrivals)):
+                seed = sp.seed if sp.seed is not None else self.config.runtime.seed * 1_000_003 + i
+                handles.append(engine.add_request(prompt, sp, seed=seed, arrival_s=base + at,
+                                                  watcher=watcher))
+            done = [h.result() for h in handles]
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM: every unfinished request ends now
+            engine.abandon(str(exc) or "interrupted")
             self.shutdown()
-            exc.outputs = [r.output(str(exc)) for r in requests]
+            exc.outputs = [_from_call(h.result().output, base, at) for h, at in zip(handles, arrivals)]
             raise
+        finally:
+            if watcher is not None:
+                engine.unwatch(watcher)
+        outputs = [_from_call(f.output, base, at) for f, at in zip(done, arrivals)]
+        if watcher is not None and watcher.error is not None:
+            raise watcher.error  # the callback's own error; the engine stays usable
+        if engine.failure is not None and any(o.finish_reason == FinishReason.ERROR
+                                              for o in outputs):  # torn down: unusable
+            self.shutdown()
+            exc = driver.ExecutorFailed(str(engine.failure))
+            exc.outputs = outputs
+            raise exc from engine.failure
+        return outputs
 
-    def _with_metrics(self, requests: list[Request], planner, clock, on_microbatch):
-        """The executor and callback of a run that records a `RuntimeMetrics` (monitoring.md)."""
-        from itertools import takewhile
-
-        from pp_runtime.telemetry.metrics import RuntimeMetrics
-
-        def queue_depth() -> int:  # arrived, waiting for a KV slot (planner.waiting is FCFS)
-            now = clock()
-            return sum(1 for _ in takewhile(lambda r: r.arrival_s <= now, planner.waiting))
-
-        metrics = RuntimeMetrics.for_config(self.config, {r.request_id: r for r in requests},
-                                            clock, queue_depth)
-        return metrics.watch(self.executor), metrics.chain(on_microbatch)
+    @property
+    def engine(self) -> Engine:
+        """The one engine (planner + driver loop) over this LLM's executor."""
+        if self._engine is None:
+            sink = None
+            if self.executor.name == "ray" and self.config.runtime.metrics:  # live Ray metrics
+                from pp_runtime.telemetry.metrics import default_sink
+                sink = default_sink()
+            self._engine = Engine(self.config, self.executor, sink=sink,
+                                  thread_init=torch_thread_init())
+        return self._engine
 
     def shutdown(self) -> None:
-        """Release the workers (Ray actors, process groups, KV caches)."""
+        """Stop the engine (open requests end `aborted`), then release the workers (Ray
+        actors, process groups, KV caches)."""
+        if self._engine is not None:
+            self._engine.close(timeout=10.0)
         if self.executor is not None:
             self.executor.shutdown()
             self.executor = None
@@ -130,12 +119,36 @@ class LLM:
         self.shutdown()
 
 
+def _from_call(out: RequestOutput, base: float, arrival_s: float) -> RequestOutput:
+    """An engine output with its times counted from the call's start, as given."""
+    def rel(t):
+        return None if t is None else t - base
+    return replace(out, arrival_s=arrival_s, first_token_s=rel(out.first_token_s),
+                   finish_s=rel(out.finish_s))
+
+
+def torch_thread_init():
+    """What the engine thread runs first: torch's CPU threads and CUDA device are per
+    thread, so it takes this (the creating) thread's."""
+    import torch
+
+    threads = torch.get_num_threads()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    device = torch.cuda.current_device() if cuda else None
+
+    def init() -> None:
+        torch.set_num_threads(threads)
+        if device is not None:
+            torch.cuda.set_device(device)
+    return init
+
 
 def run_workload(cfg: Config, checkpoint: str | Path | None = None,
                  on_microbatch: driver.OnMicroBatch | None = None, executor=None) -> RunResult:
     """cfg's workload on the real runtime (random token ids of the workload's lengths, each
     request generating exactly its output length): the counterpart of `simulate(cfg)`,
-    with the same report. A failed run still returns its result, with error requests."""
+    with the same report. A failed run still returns its result, with error requests; an
+    interrupted one re-raises with its partial result attached (`exc.result`)."""
     import random
 
     from pp_runtime.telemetry.recorder import RunRecorder
@@ -157,7 +170,16 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
     try:
         outputs = llm.generate(prompts, params, record, [s.arrival_s for s in specs])
     except driver.ExecutorFailed as exc:
-        outputs = exc.outputs
+        outputs, stopped = exc.outputs, "worker failure"
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM: the caller writes the partial report
+        if hasattr(exc, "outputs"):
+            from pp_runtime.interrupt import signal_name
+            exc.result = RunResult(cfg, name, exc.outputs, [rec], time.perf_counter() - t0,
+                                   device=device, interrupted_by=signal_name(exc))
+        raise
+    else:
+        stopped = None
     finally:
         llm.shutdown()
-    return RunResult(cfg, name, outputs, [rec], time.perf_counter() - t0, device=device)
+    return RunResult(cfg, name, outputs, [rec], time.perf_counter() - t0, device=device,
+                     interrupted_by=stopped)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pp_runtime.config import Config, ConfigError, ModelConfig, stage_layers
+from pp_runtime.config import Config, ConfigError, ModelConfig, even_split
 
 GB = 1e9
 
@@ -102,10 +102,15 @@ class StageMemory:
 
 def stage_memory(cfg: Config, stage: int, dtype_bytes: int, tp: int | None = None,
                  pp: int | None = None, slots: int | None = None) -> StageMemory:
-    """Weights and KV of one tp rank of `stage` (tp, pp, slots: the config's unless given)."""
+    """Weights and KV of one tp rank of `stage` (tp, pp, slots: the config's unless given;
+    layers: the config's split at its own pp, else the even split of the pp given)."""
     m = cfg.model
     tp, pp = tp or cfg.parallel.tp, pp or cfg.parallel.pp
-    lo, hi = stage_layers(m.num_layers, pp, stage)
+    if pp == cfg.parallel.pp:
+        lo, hi = cfg.stage_layers(stage)
+    else:
+        counts = even_split(m.num_layers, pp)
+        lo, hi = sum(counts[:stage]), sum(counts[:stage + 1])
     per_slot = 2 * (hi - lo) * (m.kv_heads // tp) * m.head_dim * cfg.seq_len * dtype_bytes
     return StageMemory(stage, stage_params(m, tp, lo, hi) * dtype_bytes, per_slot,
                        slots or cfg.num_slots)

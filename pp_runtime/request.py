@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens generated
     EOS = "eos"  # the model produced the end-of-sequence token
     ERROR = "error"  # the runtime failed while the request was unfinished
+    ABORTED = "aborted"  # the caller gave up on it (client gone, abort by id, engine closed)
 
     def __str__(self) -> str:  # print as "length", not "FinishReason.LENGTH"
         return self.value
@@ -36,14 +38,29 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the EOS token
 
     def problems(self) -> list[str]:
+        """Everything wrong with these values, each naming the field; types are checked
+        too (a str temperature, a bool max_tokens): nothing is converted silently."""
         out = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             out.append(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            out.append(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            out.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            out.append(f"temperature must be a finite number >= 0 (0 = greedy), "
+                       f"got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            out.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            out.append(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            out.append(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         return out
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 # slots: a simulated run holds 10^5 of them. eq=False: a request is compared by identity
@@ -159,8 +176,58 @@ class RequestOutput:
     error: str | None = None  # what failed, when finish_reason is ERROR
 
 
-def check_prompt(prompt: object, params: SamplingParams, vocab_size: int, max_len: int) -> list[str]:
+def check_requests(prompt_token_ids: object, params: object, arrival_s: object,
+                   vocab_size: int, max_len: int
+                   ) -> tuple[list[list[int]], list[SamplingParams], list[float]]:
+    """The prompts, one SamplingParams per prompt and one arrival time per prompt, checked
+    before anything runs: InvalidRequestError names every bad request by index (and the
+    fix), so a bad call runs nothing and the engine stays usable."""
+    if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+        raise InvalidRequestError(
+            "prompt_token_ids must be a list of prompts, each a list of int token ids "
+            f"(e.g. [[1, 2, 3]]), got {type(prompt_token_ids).__name__}")
+    prompts = [list(p) if isinstance(p, (list, tuple)) else p for p in prompt_token_ids]
+    n = len(prompts)
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        plist = [params] * n
+    elif isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
+        plist = list(params)
+        if len(plist) != n:
+            raise InvalidRequestError(f"got {n} prompts but {len(plist)} SamplingParams")
+    else:
+        raise InvalidRequestError("params must be a SamplingParams or a list of one per "
+                                  f"prompt, got {type(params).__name__}")
+    if arrival_s is None:
+        arrivals = [0.0] * n
+    elif isinstance(arrival_s, Sequence) and not isinstance(arrival_s, (str, bytes)):
+        arrivals = list(arrival_s)
+        if len(arrivals) != n:
+            raise InvalidRequestError(f"got {n} prompts but {len(arrivals)} arrival_s times")
+    else:
+        raise InvalidRequestError("arrival_s must be a list of seconds, one per prompt, "
+                                  f"got {type(arrival_s).__name__}")
+    problems = []
+    for i, (prompt, sp, at) in enumerate(zip(prompts, plist, arrivals)):
+        errs = check_prompt(prompt, sp, vocab_size, max_len)
+        if not _is_real(at) or not 0 <= at < math.inf:
+            errs.append(f"arrival_s must be a finite number of seconds >= 0, got {at!r}")
+        elif i and _is_real(arrivals[i - 1]) and at < arrivals[i - 1]:
+            errs.append(f"arrival_s {at!r} is before request {i - 1}'s {arrivals[i - 1]!r}; "
+                        "arrival times must not decrease")
+        if errs:
+            problems.append(f"request {i}: {'; '.join(errs)}")
+    if problems:
+        raise InvalidRequestError(f"{len(problems)} of {n} requests rejected, none run:\n  "
+                                  + "\n  ".join(problems))
+    return prompts, plist, [float(a) for a in arrivals]
+
+
+def check_prompt(prompt: object, params: object, vocab_size: int, max_len: int) -> list[str]:
     """Everything wrong with one request; empty when it can run."""
+    if not isinstance(params, SamplingParams):
+        return [f"params must be a SamplingParams, got {params!r}"]
     out = list(params.problems())
     if not isinstance(prompt, (list, tuple)) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
@@ -171,7 +238,7 @@ def check_prompt(prompt: object, params: SamplingParams, vocab_size: int, max_le
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         out.append(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    if isinstance(params.max_tokens, int) and len(prompt) + params.max_tokens > max_len:
+    if _is_int(params.max_tokens) and len(prompt) + params.max_tokens > max_len:
         out.append(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
             f"{len(prompt) + params.max_tokens} exceeds max positions {max_len}"

@@ -17,7 +17,7 @@ from pp_runtime.config import Config, ConfigError
 from pp_runtime.costmodel.devices import device_spec
 from pp_runtime.executors.sim import SimExecutor, StageCost, VirtualClock
 from pp_runtime.planner import make_planner
-from pp_runtime.request import RepeatedTokens, Request, SamplingParams
+from pp_runtime.request import FinishReason, RepeatedTokens, Request, SamplingParams
 from pp_runtime.telemetry.recorder import RunRecorder
 from pp_runtime.telemetry.report import RunResult
 from pp_runtime.workload import RequestSpec, generate
@@ -51,7 +51,9 @@ def check_memory(cfg: Config) -> None:
 
 def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True) -> RunResult:
     """Run cfg's workload through cfg's planner on the simulated pipeline; ConfigError first
-    if the deployment does not fit in the simulated GPUs' memory or its KV slots."""
+    if the deployment does not fit in the simulated GPUs' memory or its KV slots. Ctrl-C
+    (or SIGTERM under `interrupt.handled()`) re-raises with the partial result attached
+    (`exc.result`): every request not finished by then ends with finish reason error."""
     check_memory(cfg)
     if cost is None:
         from pp_runtime.costmodel import build_cost_model
@@ -64,16 +66,26 @@ def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True) 
     pp, t0 = cfg.parallel.pp, time.perf_counter()
     bar = tqdm(total=sum(s.output_len for s in specs), unit="tok", disable=not progress,
                desc=f"simulate {cfg.planner.planner}", leave=False, mininterval=0.5)
-    replicas = []
-    for r, ids in enumerate(route(specs, cfg.parallel.dp)):
-        clock = VirtualClock()
-        planner = make_planner(cfg, cost)
-        for i in ids:
-            planner.add(requests[i])
-        rec = RunRecorder(clock, replica=r, on_tokens=bar.update)
-        driver.run(planner, SimExecutor(cost, pp, clock), pp, clock, rec, sleep=clock.sleep)
-        replicas.append(rec)
-    bar.close()
-    sources = cost.sources() if hasattr(cost, "sources") else None
+    replicas, sources = [], cost.sources if hasattr(cost, "sources") else lambda: None
+    try:
+        for r, ids in enumerate(route(specs, cfg.parallel.dp)):
+            clock = VirtualClock()
+            planner = make_planner(cfg, cost)
+            for i in ids:
+                planner.add(requests[i])
+            rec = RunRecorder(clock, replica=r, on_tokens=bar.update)
+            replicas.append(rec)
+            driver.run(planner, SimExecutor(cost, pp, clock), cfg.in_flight, clock, rec,
+                       sleep=clock.sleep)
+    except KeyboardInterrupt as exc:
+        from pp_runtime.interrupt import reason, signal_name
+        for req in requests:  # of the replicas not run yet (the driver ended the current one's)
+            if req.finish_reason is None:
+                req.finish_reason = FinishReason.ERROR  # finish_s None: it never ran
+        exc.result = RunResult(cfg, "sim", [r.output(reason(exc)) for r in requests], replicas,
+                               time.perf_counter() - t0, sources(), interrupted_by=signal_name(exc))
+        raise
+    finally:
+        bar.close()
     return RunResult(cfg, "sim", [r.output() for r in requests], replicas,
-                     time.perf_counter() - t0, sources)
+                     time.perf_counter() - t0, sources())

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pp_runtime.batch import MicroBatch, SampledTokens, StageTiming
-from pp_runtime.config import Config, stage_layers
+from pp_runtime.config import Config
 from pp_runtime.device import torch_dtype
 from pp_runtime.memory import check_stage_fits
 from pp_runtime.model.attention import BatchLayout
@@ -37,7 +37,7 @@ class StageWorker:
         m = cfg.model
         self.cfg, self.stage, self.device = cfg, stage, device
         self.tp_rank = groups.tp_rank if groups else 0
-        self.lo, self.hi = stage_layers(m.num_layers, cfg.parallel.pp, stage)
+        self.lo, self.hi = cfg.stage_layers(stage)  # parallel.layer_split, resolved
         dtype = torch_dtype(m.dtype_for(device.type))  # "auto": the checkpoint's on a GPU
         check_stage_fits(cfg, stage, self.tp_rank, dtype.itemsize, device)  # before allocating
         par = (Unsharded() if groups is None

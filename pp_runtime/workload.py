@@ -71,21 +71,48 @@ def split_pd(total: int, pd_ratio: float) -> tuple[int, int]:
 
 
 def read_trace(path: str | Path) -> list[RequestSpec]:
+    """A JSONL trace, checked line by line: arrival_s a finite number >= 0, lengths ints
+    >= 1. Nothing is converted silently (10.7, true or "4" as a length is an error), and a
+    problem names the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"workload.trace: {path} is {'a directory' if path.is_dir() else 'not found'}; "
+                          "expected a JSONL file, one {\"arrival_s\", \"prompt_len\", "
+                          "\"output_len\"} per line")
     specs = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            spec = RequestSpec(float(row["arrival_s"]), int(row["prompt_len"]), int(row["output_len"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{path}:{i}: expected {{arrival_s, prompt_len, output_len}}: {exc}") from exc
-        if spec.prompt_len < 1 or spec.output_len < 1 or spec.arrival_s < 0:
-            raise ConfigError(f"{path}:{i}: lengths must be >= 1 and arrival_s >= 0, got {row}")
-        specs.append(spec)
+            row = json.loads(line, parse_constant=_no_constant)
+        except ValueError as exc:
+            raise ConfigError(f"{path}:{i}: not valid JSON: {exc}") from exc
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{i}: expected an object {{arrival_s, prompt_len, "
+                              f"output_len}}, got {line.strip()[:60]}")
+        missing = [k for k in ("arrival_s", "prompt_len", "output_len") if k not in row]
+        if missing:
+            raise ConfigError(f"{path}:{i}: no {', '.join(missing)}")
+        a, p, d = row["arrival_s"], row["prompt_len"], row["output_len"]
+        if not _is_number(a) or not 0 <= a < float("inf"):
+            raise ConfigError(f"{path}:{i}: arrival_s must be a finite number of seconds >= 0, "
+                              f"got {a!r}")
+        for key, value in (("prompt_len", p), ("output_len", d)):
+            if not _is_number(value) or value != int(value) or value < 1:
+                raise ConfigError(f"{path}:{i}: {key} must be a whole number of tokens >= 1, "
+                                  f"got {value!r}")
+        specs.append(RequestSpec(float(a), int(p), int(d)))
     if not specs:
-        raise ConfigError(f"{path}: no requests")
+        raise ConfigError(f"{path}: no requests (an empty trace)")
     return sorted(specs, key=lambda s: s.arrival_s)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows; use a finite number")
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # NaN != NaN
 
 
 def generate(cfg: WorkloadConfig) -> list[RequestSpec]:

@@ -18,8 +18,8 @@ def llm():
     ([1, -1], SamplingParams(), "token id -1 is outside the vocabulary"),
     ([1] * 60, SamplingParams(max_tokens=5), "65 exceeds max positions 64"),
     ([1, 2], SamplingParams(max_tokens=0), "max_tokens must be an int >= 1"),
-    ([1, 2], SamplingParams(top_p=0.0), "top_p must be in"),
-    ([1, 2], SamplingParams(temperature=-1.0), "temperature must be >= 0"),
+    ([1, 2], SamplingParams(top_p=0.0), "top_p must be a number in"),
+    ([1, 2], SamplingParams(temperature=-1.0), "temperature must be a finite number >= 0"),
     ("hello", SamplingParams(), "list of int token ids"),
 ], ids=["empty", "vocab", "negative", "too-long", "max-tokens", "top-p", "temperature", "text"])
 def test_bad_request_is_named_and_nothing_runs(llm, prompt, params, message):

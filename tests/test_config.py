@@ -121,3 +121,41 @@ def test_dotted_overrides_reach_sections_sharing_a_field_name():
         Config().with_overrides(**{"planner.seed": 1})
     with pytest.raises(ConfigError, match="workload.num_requests"):
         Config().with_overrides(num_requests=0)
+
+
+# ---- parallel.layer_split ---------------------------------------------------------------
+@pytest.mark.parametrize("split, pp, problem", [
+    ([6, 5], 2, r"\[6, 5\] sums to 11 layers, the model has 12"),
+    ([6, 6, 0], 3, "leaves a stage with no layer"),
+    ([12, 0], 2, "leaves a stage with no layer"),
+    ([4, 4, 4], 2, "has 3 entries for pp = 2"),
+    ([6, 6], 1, "has 2 entries for pp = 1"),  # pp = 1: only [num_layers] fits
+    ([], 1, "has 0 entries for pp = 1"),
+    ([6.0, 6.0], 2, "holds a non-integer"),
+    ([True, 11], 2, "holds a non-integer"),
+    ("even", 2, "unknown value 'even'"),
+    (7, 2, "got 7"),
+], ids=str)
+def test_a_bad_layer_split_names_the_field_and_the_fix(split, pp, problem):
+    with pytest.raises(ConfigError, match=r"parallel\.layer_split: .*" + problem) as err:
+        Config().with_overrides(pp=pp, layer_split=split)
+    assert "summing to model.num_layers = 12" in str(err.value)  # the fix, with an example
+    assert "auto" in str(err.value) and "null" in str(err.value)
+
+
+def test_layer_split_from_yaml_resolves_to_stage_bounds(tmp_path):
+    """A list from YAML cuts the layers as given; null (the default) is the even split,
+    earlier stages taking the remainder; pp = 1 holds every layer."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {preset: gpt2-small}\nparallel: {pp: 3, layer_split: [5, 4, 3]}\n")
+    cfg = load_config(path)
+    assert cfg.layers_per_stage() == [5, 4, 3]
+    assert [cfg.stage_layers(s) for s in range(3)] == [(0, 5), (5, 9), (9, 12)]
+    even = Config().with_overrides(num_layers=13, pp=4)
+    assert even.parallel.layer_split is None
+    assert [even.stage_layers(s) for s in range(4)] == [(0, 4), (4, 7), (7, 10), (10, 13)]
+    assert Config().with_overrides(layer_split=[12]).stage_layers(0) == (0, 12)
+    assert Config().with_overrides(layer_split="auto").layers_per_stage() == [12]  # pp = 1
+    # an explicit list goes with its pp: changing pp alone is refused, not silently re-cut
+    with pytest.raises(ConfigError, match="layer_split"):
+        cfg.with_overrides(pp=2)

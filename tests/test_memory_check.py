@@ -20,15 +20,19 @@ def tiny(**overrides) -> Config:
     return load_config("tiny", **overrides)
 
 
-def test_stage_memory_is_what_the_worker_allocates():
-    for pp in (1, 2):
-        cfg = tiny(pp=pp, max_batch_size=3)
-        for stage in range(pp):
-            worker = StageWorker(cfg, stage, CPU)
-            need = stage_memory(cfg, stage, 4)
-            weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
-            assert (weights, worker.cache.nbytes) == (need.weight_bytes, need.kv_bytes)
-            assert need.slots == 3 * pp
+@pytest.mark.parametrize("pp, split", [(1, None), (2, None), (2, [3, 1]), (3, [1, 1, 2])])
+def test_stage_memory_is_what_the_worker_allocates(pp, split):
+    """Even and explicit layer splits: the check and the worker cut the model alike."""
+    cfg = tiny(pp=pp, max_batch_size=3, layer_split=split)
+    layers = []
+    for stage in range(pp):
+        worker = StageWorker(cfg, stage, CPU)
+        layers.append(len(worker.model.layers))
+        need = stage_memory(cfg, stage, 4)
+        weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+        assert (weights, worker.cache.nbytes) == (need.weight_bytes, need.kv_bytes)
+        assert need.slots == 3 * pp
+    assert layers == (split or [4 // pp + (s < 4 % pp) for s in range(pp)])
 
 
 @pytest.mark.parametrize("pp", [1, 2])

@@ -53,7 +53,7 @@ def test_trace_round_trip_and_errors(tmp_path):
     with pytest.raises(ConfigError, match="bad.jsonl:2"):
         read_trace(bad)
     bad.write_text('{"arrival_s": 0}\n')
-    with pytest.raises(ConfigError, match="bad.jsonl:1: expected"):
+    with pytest.raises(ConfigError, match="bad.jsonl:1: no prompt_len, output_len"):
         read_trace(bad)
 
 

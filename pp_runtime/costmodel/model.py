@@ -7,8 +7,9 @@ tokens plus one per decode: SARATHI's fused linear layers), so per layer
   + sum over chunks of prefill_attention(start, n)
   + decode_attention(count, sum of KV lengths)
 
-times the stage's layers; the first stage adds the embedding, the last the final norm and
-LM head over the rows that sample (every decode and, for simplicity, every prefill chunk).
+times the stage's layers (`Config.layers_per_stage`: even, explicit or balanced); the
+first stage adds the embedding, the last the final norm and LM head over the rows that
+sample (every decode and, for simplicity, every prefill chunk).
 The simulator calls `stage_times` for every micro-batch, so everything that depends on T
 alone is a Python list indexed by T (grown on demand); the rest are closed forms.
 """
@@ -18,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pp_runtime.config import Config, stage_layers
+from pp_runtime.config import Config
 from pp_runtime.costmodel.devices import device_spec
 from pp_runtime.costmodel.network import all_reduce, gather, send
 from pp_runtime.costmodel.pricing import (Priced, Pricing, Target, attention, layer_ops,
@@ -65,8 +66,7 @@ class StageCostModel:
     def __init__(self, cfg: Config, pricing: Pricing):
         pp, tp = cfg.parallel.pp, cfg.parallel.tp
         self.pricing = pricing
-        self.layers = [hi - lo for lo, hi in (stage_layers(cfg.model.num_layers, pp, s)
-                                              for s in range(pp))]  # layers per stage
+        self.layers = cfg.layers_per_stage()  # layers per stage
         self.deepest = self.layers.index(max(self.layers))  # stage that breakdown() reports
         # stage s holds GPUs [s*tp, (s+1)*tp); a send crosses nodes when first GPUs differ
         self.node = [s * tp // cfg.hardware.gpus_per_node for s in range(pp)]
@@ -90,10 +90,11 @@ class StageCostModel:
         self._size = size
 
     # ---- the hot path -----------------------------------------------------------------
-    def stage_times(self, prefills: Sequence[tuple[int, int]],
-                    decode_kv_lens: Sequence[int]) -> list[float]:
-        """Seconds of compute on each stage. prefills: (start, n) chunks; decode_kv_lens:
-        the KV length each decode attends to (itself included)."""
+    def parts(self, prefills: Sequence[tuple[int, int]],
+              decode_kv_lens: Sequence[int]) -> tuple[float, float, float]:
+        """Seconds of (one layer, the first stage's embedding, the last stage's final norm +
+        LM head) for a micro-batch. prefills: (start, n) chunks; decode_kv_lens: the KV
+        length each decode attends to (itself included)."""
         tokens = nd = len(decode_kv_lens)
         attn = self._decode(nd, sum(decode_kv_lens)) if nd else 0.0
         for start, n in prefills:
@@ -101,10 +102,15 @@ class StageCostModel:
             attn += self._prefill(start, n)
         if tokens >= self._size:
             self._grow(2 * tokens)
-        per_layer = self._layer[tokens] + attn
+        return self._layer[tokens] + attn, self._emb[tokens], self._head[nd + len(prefills)]
+
+    def stage_times(self, prefills: Sequence[tuple[int, int]],
+                    decode_kv_lens: Sequence[int]) -> list[float]:
+        """Seconds of compute on each stage: its layers, plus `parts`' extras at the ends."""
+        per_layer, emb, head = self.parts(prefills, decode_kv_lens)
         times = [k * per_layer for k in self.layers]
-        times[0] += self._emb[tokens]
-        times[-1] += self._head[nd + len(prefills)]
+        times[0] += emb
+        times[-1] += head
         return times
 
     def microbatch_time(self, prefills: Sequence[tuple[int, int]],

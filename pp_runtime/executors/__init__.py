@@ -9,6 +9,9 @@ from pp_runtime.config import Config
 def make_executor(cfg: Config, checkpoint: str | Path | None = None):
     """The executor `runtime.executor` names; `auto` is ray when tp * pp > 1, else local."""
     kind = cfg.runtime.executor
+    if checkpoint is not None:  # headers and shapes, before any worker starts
+        from pp_runtime.model.loader import check_checkpoint
+        check_checkpoint(checkpoint, cfg.model)
     if kind == "auto":
         kind = "ray" if cfg.parallel.tp * cfg.parallel.pp > 1 else "local"
     if kind == "torchrun":

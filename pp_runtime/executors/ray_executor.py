@@ -20,6 +20,9 @@ Faults: an actor that dies, a call that raises, or a rank that does not finish w
 `runtime.step_timeout_s` (or `startup_timeout_s` while starting) raises `WorkerFailed`
 naming the stage and rank; the driver then ends every unfinished request with finish
 reason `error`, and `shutdown()` kills every actor and removes the placement group.
+An interrupt (Ctrl-C, SIGTERM) while starting or running ends the same way, and a local
+Ray the executor started is stopped with every process of it (`shutdown_ray`): nothing is
+left running or listening (docs/errors.md).
 
 Names, for the dashboard and `ray list actors`: every actor is named
 `pp-<deployment>-<executor id>-s<stage>-tp<rank>` in namespace `pp_runtime` (the id, six hex
@@ -30,15 +33,18 @@ with the driver at the latest, and `shutdown()` kills them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import time
 import uuid
 import weakref
 from pathlib import Path
 
 from pp_runtime.batch import MicroBatch, SampledTokens
-from pp_runtime.config import Config, stage_layers
-from pp_runtime.errors import ConfigError, WorkerFailed
+from pp_runtime.config import Config
+from pp_runtime.errors import CheckpointError, ConfigError, WorkerFailed
+from pp_runtime.interrupt import deferred
 from pp_runtime.parallel.groups import DistSpec, free_port
 from pp_runtime.telemetry.metrics import deployment_tag
 
@@ -62,7 +68,7 @@ class StageActor:
         self.cfg, self.stage, self.tp_rank, self.checkpoint = cfg, stage, tp_rank, checkpoint
         self.device = resolve_device(device)  # raises if Ray gave this actor no GPU
         self.worker = None
-        lo, hi = stage_layers(cfg.model.num_layers, cfg.parallel.pp, stage)
+        lo, hi = cfg.stage_layers(stage)
         self.label = (f"stage={stage} tp_rank={tp_rank} layers [{lo}, {hi}) "
                       f"node {ray.util.get_node_ip_address()}")
 
@@ -116,14 +122,14 @@ class RayExecutor:
         self.tp, self.pp = p.tp, p.pp
         _check_device(rt.device)  # before anything starts
         self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            start_ray(rt.ray_address, p.tp * p.pp)
         self.actors, self._pgs = [], []  # what _release frees
         # an executor dropped without shutdown() still frees its actors when collected
         self._finalizer = weakref.finalize(self, _release, self.actors, self._pgs, False)
         try:
+            if self._owns_ray:
+                start_ray(rt.ray_address, p.tp * p.pp)
             self._start(checkpoint)
-        except Exception:
+        except BaseException:  # a failure, or Ctrl-C / SIGTERM while starting: stop what started
             self.shutdown()
             raise
 
@@ -137,6 +143,7 @@ class RayExecutor:
 
         ray, cfg, rt = self.ray, self.cfg, self.cfg.runtime
         self.device = ray_device(cfg, ray.cluster_resources())  # the one decision
+        staged = cfg.with_layer_split_resolved()  # "auto" chosen here once, sent as a list
         self.backend = dist_backend(torch.device(self.device))
         gpus = 1 if self.device == "cuda" else 0
         bundle = {"CPU": self.tp, **({"GPU": self.tp} if gpus else {})}
@@ -156,7 +163,7 @@ class RayExecutor:
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=stage)
             self.actors.append(actor_cls.options(
                 name=name, namespace=NAMESPACE, num_cpus=1, num_gpus=gpus,
-                scheduling_strategy=strategy).remote(cfg, stage, r, ckpt, self.device))
+                scheduling_strategy=strategy).remote(staged, stage, r, ckpt, self.device))
         local = rt.ray_address is None
         addr, port = self._gather([self._call(0, "rendezvous_address", local)],
                                   rt.startup_timeout_s, "finding a rendezvous address")[0]
@@ -198,6 +205,9 @@ class RayExecutor:
             try:
                 ray.get(ready[0])
             except Exception as exc:  # RayActorError (died), RayTaskError (raised)
+                cause = getattr(exc, "cause", None)  # a RayTaskError's original exception
+                if isinstance(cause, (CheckpointError, ConfigError)):  # the user's to fix
+                    raise type(cause)(f"{self._name(refs.index(ready[0]))}: {cause}") from exc
                 raise WorkerFailed(f"{self._name(refs.index(ready[0]))} failed during {what}: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
         if pending:
@@ -220,6 +230,8 @@ def _release(actors: list, pgs: list, stop_ray: bool) -> None:
     import ray
 
     if not ray.is_initialized():
+        if stop_ray:  # ray.init interrupted: the processes it started so far
+            shutdown_ray()
         return
     if actors:
         try:  # a clean exit where the actor still answers; killed either way
@@ -235,7 +247,48 @@ def _release(actors: list, pgs: list, stop_ray: bool) -> None:
             remove_placement_group(pg)
     pgs.clear()
     if stop_ray:
-        ray.shutdown()
+        shutdown_ray()
+
+
+def shutdown_ray() -> None:
+    """`ray.shutdown()`, returning once the processes of a local Ray it started (GCS,
+    raylet, agents, workers) have exited, those that outlive it stopped: a Ray interrupted
+    in the middle of `ray.init` (Ctrl-C) is unknown to ray.shutdown, and its dashboard and
+    runtime-env agents outlive the raylet and listen on for a minute."""
+    import psutil  # Ray's own copy (ray/thirdparty_files) when psutil is not installed
+    import ray
+
+    procs = local_ray_processes()  # now: the agents leave the tree when the raylet exits
+    ray.shutdown(wait_for_processes=True)
+    for stop in (psutil.Process.terminate, psutil.Process.kill):
+        alive = [p for p in procs if _alive(p)]
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                stop(p)
+        psutil.wait_procs(alive, timeout=3)
+
+
+def local_ray_processes() -> list:
+    """This process's descendants of the local Ray it started: those whose command line
+    names its session (`session_<date>_<this pid>`: GCS, raylet, agents, dashboard) and
+    their descendants (the workers). Never a Ray some other process started."""
+    import psutil
+
+    tag, found = f"_{os.getpid()}", {}
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any("session_" in a and (a.endswith(tag) or f"{tag}/" in a) for a in proc.cmdline()):
+                found.update({p.pid: p for p in [proc, *proc.children(recursive=True)]})
+    return list(found.values())
+
+
+def _alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def start_ray(address: str | None, workers: int) -> None:
@@ -245,14 +298,43 @@ def start_ray(address: str | None, workers: int) -> None:
     `RAY_metrics_report_interval_ms`, when set, wins; docs/monitoring.md)."""
     import ray
 
-    if address is not None:
-        ray.init(address=address, log_to_driver=True)
-        return
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's own switch for 127.0.0.1 only
-    os.environ.setdefault("RAY_metrics_report_interval_ms", str(LOCAL_METRICS_INTERVAL_MS))
-    ray.init(address="local",  # a new instance, never a head that `ray start` left running
-             num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=False)
+    # Ctrl-C / SIGTERM wait for ray.init to return: an interrupt raised in one of its fork
+    # hooks would be lost; and the SIGTERM handler it replaces comes back (interrupt.py)
+    with deferred():
+        if address is not None:
+            ray.init(address=address, log_to_driver=True)
+            return
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's own switch for 127.0.0.1 only
+        os.environ.setdefault("RAY_metrics_report_interval_ms", str(LOCAL_METRICS_INTERVAL_MS))
+        owner_only_token()
+        ray.init(address="local",  # a new instance, never a head that `ray start` left running
+                 num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=False)
+
+
+def owner_only_token() -> Path | None:
+    """The token file of a local Ray, readable by its owner only (mode 0600); its path.
+
+    Ray 2.60 turns token authentication on for a new local cluster and, when there is no
+    token, writes one to ~/.ray/auth_token with the process's umask: 0644, so every user of
+    the machine could read it and run code on the cluster. Write it first, 0600 (a token as
+    Ray makes one), or take the group and other bits off an existing one of ours. Nothing
+    when the token comes from RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, or auth is disabled."""
+    if (os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled"
+            or "RAY_AUTH_TOKEN" in os.environ or "RAY_AUTH_TOKEN_PATH" in os.environ):
+        return None
+    path = Path.home() / ".ray" / "auth_token"
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        st = path.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            path.chmod(0o600)
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # 256 bits, as ray get-auth-token --generate
+    return path
 
 
 def _check_device(device: str) -> None:
@@ -266,9 +348,12 @@ def ray_device(cfg: Config, cluster_resources: dict) -> str:
     have no GPU itself): device auto means CUDA when the cluster has a GPU per worker."""
     dev = cfg.runtime.device
     _check_device(dev)
+    gpus, needed = cluster_resources.get("GPU", 0), cfg.parallel.tp * cfg.parallel.pp
     if dev == "auto":
-        gpus = cluster_resources.get("GPU", 0)
-        return "cuda" if gpus >= cfg.parallel.tp * cfg.parallel.pp else "cpu"
+        return "cuda" if gpus >= needed else "cpu"
+    if dev.startswith("cuda") and gpus < needed:
+        raise ConfigError(f"runtime.device: cuda needs a GPU per worker ({needed}), but the "
+                          f"Ray cluster has {gpus:g}; use device: auto or cpu")
     return dev
 
 

@@ -24,10 +24,35 @@ from pp_runtime.parallel.layers import shard_of
 
 
 def read_hf_config(path: str | Path) -> dict:
+    """config.json of a checkpoint directory; CheckpointError naming the file when it is
+    missing, not JSON, or not an object."""
     cfg_file = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise CheckpointError(f"{path}: not a directory; expected a Hugging Face-format "
+                              "checkpoint directory (config.json + *.safetensors)")
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face-format directory")
-    return json.loads(cfg_file.read_text())
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({exc})") from exc
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
+    _check_sizes(hf, cfg_file)
+    return hf
+
+
+def _check_sizes(hf: dict, where: object) -> None:
+    """The sizes a gpt2 or llama config.json must have, as ints >= 1 (CheckpointError)."""
+    needed = REQUIRED_KEYS.get(hf.get("model_type"), ())
+    missing = [k for k in needed if k not in hf]
+    if missing:
+        raise CheckpointError(f"{where}: no {', '.join(missing)} (a {hf['model_type']} "
+                              f"config needs {', '.join(needed)})")
+    bad = [f"{k}={hf[k]!r}" for k in needed
+           if not isinstance(hf[k], int) or isinstance(hf[k], bool) or hf[k] < 1]
+    if bad:
+        raise CheckpointError(f"{where}: {', '.join(bad)}: sizes must be ints >= 1")
 
 
 def _first(value):
@@ -53,9 +78,16 @@ def checkpoint_dtype(hf: dict) -> str | None:
     return name if name in DTYPES else None
 
 
+REQUIRED_KEYS = {"gpt2": ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"),
+                 "llama": ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                           "intermediate_size", "vocab_size", "max_position_embeddings")}
+
+
 def model_config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
     """Our `ModelConfig` for a GPT-2 or LLaMA `config.json`, with dtype "auto": the
-    checkpoint's dtype on a GPU, float32 on a CPU (`ModelConfig.dtype_for`)."""
+    checkpoint's dtype on a GPU, float32 on a CPU (`ModelConfig.dtype_for`). A missing or
+    non-integer size names the key (CheckpointError)."""
+    _check_sizes(hf, f"{name}/config.json")
     dtypes = dict(dtype=AUTO_DTYPE, checkpoint_dtype=checkpoint_dtype(hf))
     kind = hf.get("model_type")
     if kind == "gpt2":
@@ -121,12 +153,21 @@ class TensorReader:
         self.index: dict[str, Callable[[], object]] = {}  # name -> a sliceable view
         files = sorted(self.path.glob("*.safetensors"))
         for f in files:
-            handle = safe_open(str(f), framework="pt")
+            try:
+                handle = safe_open(str(f), framework="pt")
+            except Exception as exc:  # SafetensorError: empty, truncated, not safetensors
+                raise CheckpointError(
+                    f"{f}: not a readable safetensors file ({_first_line(exc)}): it is "
+                    "empty, truncated or corrupt; save or copy it again") from exc
             for key in handle.keys():
                 self.index[key] = lambda h=handle, k=key: h.get_slice(k)
         if not files:
             for f in sorted(self.path.glob("pytorch_model*.bin")):
-                state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                except Exception as exc:
+                    raise CheckpointError(f"{f}: not a readable PyTorch checkpoint "
+                                          f"({_first_line(exc)}); save or copy it again") from exc
                 for key, t in state.items():
                     self.index[key] = lambda t=t: t
         if not self.index:
@@ -135,10 +176,8 @@ class TensorReader:
     def has(self, name: str) -> bool:
         return name in self.index
 
-    def read(self, piece: Piece, dim: int | None = None, start: int = 0,
-             stop: int | None = None) -> torch.Tensor:
-        """The piece in our layout ([out, in]), only [start, stop) along our `dim` (None: all),
-        after checking its full shape against the config."""
+    def shape_of(self, piece: Piece):
+        """The piece's sliceable view, after checking it exists with the config's shape."""
         if piece.name not in self.index:
             raise CheckpointError(f"{self.path}: tensor {piece.name} is missing")
         view = self.index[piece.name]()
@@ -147,6 +186,13 @@ class TensorReader:
             raise CheckpointError(
                 f"{self.path}: tensor {piece.name} has shape {shape}, but the config implies "
                 f"{piece.shape} (check {piece.hint})")
+        return view
+
+    def read(self, piece: Piece, dim: int | None = None, start: int = 0,
+             stop: int | None = None) -> torch.Tensor:
+        """The piece in our layout ([out, in]), only [start, stop) along our `dim` (None: all),
+        after checking its full shape against the config."""
+        view = self.shape_of(piece)
         if dim is None:  # the whole tensor
             dim, start, stop = 0, 0, piece.rows()
         file_dim = 1 - dim if piece.transposed else dim
@@ -258,6 +304,38 @@ def _llama_sources(m: ModelConfig, r: TensorReader) -> dict[str, tuple[Piece, ..
     return src
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def check_checkpoint(path: str | Path, m: ModelConfig) -> None:
+    """Every file of the checkpoint opens and every tensor the model needs is there with
+    the shape the config implies: headers only, no weights read. Runs on the driver before
+    any worker starts, so a bad checkpoint is a clear error (exit 2), not a dead worker."""
+    reader = TensorReader(path)
+    sources = (_gpt_sources if m.family == "gpt" else _llama_sources)(m, reader)
+    for pieces in sources.values():
+        for piece in pieces:
+            if piece.name.endswith(".bias") and not m.use_bias:
+                continue
+            reader.shape_of(piece)
+
+
+def _check_finite(stage: StageModel, path: str | Path) -> None:
+    """A checkpoint with NaN or infinite weights would 'generate' token 0 until EOS: say
+    so at load, naming the parameter. float32 sums of 64K-element blocks, which NaN and inf
+    poison: no temporary the size of a parameter (isfinite, or an upcast, would make one)."""
+    for name, param in stage.named_parameters():
+        sums = [b.sum(dtype=torch.float32) for b in param.detach().reshape(-1).split(1 << 16)]
+        if param.is_floating_point() and not bool(torch.isfinite(torch.stack(sums)).all()):
+            bad, parts = int((~torch.isfinite(param)).sum()), name.split(".")
+            if parts[0] == "layers":  # the model's layer number, not the stage's
+                parts[1] = str(int(parts[1]) + stage.lo)
+            raise CheckpointError(f"{path}: {bad} of {param.numel()} values of {'.'.join(parts)} "
+                                  "are NaN or infinite: the checkpoint is corrupt or was saved "
+                                  "from a diverged run")
+
+
 @torch.no_grad()
 def load_stage_weights(stage: StageModel, path: str | Path) -> None:
     """Copy this stage's tensors from the checkpoint at `path` into `stage`'s parameters
@@ -272,3 +350,4 @@ def load_stage_weights(stage: StageModel, path: str | Path) -> None:
         if parts[0] == "layers":
             parts[1] = str(int(parts[1]) + stage.lo)
         _copy_shard(reader, sources[".".join(parts)], param)
+    _check_finite(stage, path)

@@ -8,21 +8,25 @@
 | orca-worst | whole prefills or decodes, never both |
 | vllm | prefill-first with a token budget, whole prefills |
 | request-level | groups of B prefilled and decoded together (FasterTransformer) |
+| sarathi-serve | decodes, then started prompts, then new ones, in one C-token budget (OSDI'24) |
+| gllm | decodes spread over the pp micro-batches, prefill throttled by KV and queue (SC'25) |
 """
 from __future__ import annotations
 
 from pp_runtime.config import Config
 from pp_runtime.planner.base import BasePlanner
 from pp_runtime.planner.cost import CostModel
+from pp_runtime.planner.gllm import GllmPlanner
 from pp_runtime.planner.orca import OrcaBestPlanner, OrcaWorstPlanner
 from pp_runtime.planner.request_level import RequestLevelPlanner
 from pp_runtime.planner.sarathi import SarathiPlanner
+from pp_runtime.planner.sarathi_serve import SarathiServePlanner
 from pp_runtime.planner.uniform import UniformPlanner
 from pp_runtime.planner.vllm import VllmPlanner
 
 PLANNERS: dict[str, type[BasePlanner]] = {
     cls.name: cls for cls in (SarathiPlanner, UniformPlanner, OrcaBestPlanner, OrcaWorstPlanner,
-                              VllmPlanner, RequestLevelPlanner)
+                              VllmPlanner, RequestLevelPlanner, SarathiServePlanner, GllmPlanner)
 }
 
 

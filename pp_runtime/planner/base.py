@@ -4,7 +4,11 @@ A planner is pure Python with the clock passed in. Each policy only says which s
 go into the next micro-batch (`compose`); the rules below hold for all of them:
 
 - a request is admitted (FCFS, once it has arrived) only when a KV slot is free;
-- a request is in at most one in-flight micro-batch (`in_flight`: scheduled > computed);
+- a request is in at most one in-flight micro-batch (`in_flight`: scheduled > computed),
+  except that with `planner.chunk_pipelining` a prompt's next prefill chunk may follow its
+  previous ones into the pipeline before they come back (`prefilling()`): stages run
+  micro-batches in order, so chunk k's KV is written on every stage before chunk k+1
+  reaches it. Consecutive chunks only; a decode still waits for its sampled token;
 - every prompt token is scheduled exactly once, in order; every request ends with a
   finish reason (length, eos, or error).
 """
@@ -26,6 +30,7 @@ class BasePlanner:
         pl = cfg.planner
         self.cfg = cfg
         self.chunk_size, self.max_batch, self.tile_align = pl.chunk_size, pl.max_batch_size, pl.tile_align
+        self.pipelining = pl.chunk_pipelining
         self.eos = cfg.model.eos_token_id
         self.free_slots = deque(range(cfg.num_slots))
         self.waiting: deque[Request] = deque()  # arrived or not, not yet admitted (FCFS)
@@ -60,6 +65,14 @@ class BasePlanner:
     def idle(self) -> list[Request]:
         """Admitted requests not in flight, in admission order."""
         return [r for r in self.running if r.num_scheduled == r.num_computed]  # not in flight
+
+    def prefilling(self) -> list[Request]:
+        """Admitted requests with prompt tokens left to schedule that may get their next
+        chunk now, in admission order: with chunk pipelining every one (its earlier chunks
+        may still be in flight), else only those not in flight."""
+        if self.pipelining:
+            return [r for r in self.running if r.num_scheduled < r.prompt_len]
+        return [r for r in self.running if r.num_scheduled == r.num_computed < r.prompt_len]
 
     @staticmethod
     def decode(req: Request) -> SeqChunk:

@@ -1,21 +1,34 @@
-"""`uniform`: SARATHI whose chunk is sized by predicted time, not by token count alone.
+"""`uniform`: every micro-batch carries the same work, so no stage waits on another.
 
-Equal-token micro-batches still differ in time: decodes attend to different KV lengths
-(the paper's PB3) and a chunk late in a long prompt attends to more keys. The slowest
-micro-batch sets the pace of the whole pipeline. `uniform` composes a micro-batch as
-SARATHI does (decodes first, then one chunk) and takes SARATHI's chunk when its predicted
-time fits the target; otherwise the largest smaller chunk that fits (never under C / 8
-tokens, so prompts keep moving).
+A pipeline runs at the pace of its slowest micro-batch: one heavier than the rest makes
+every later stage wait for it (the `upstream` bubble), one lighter leaves its stages idle
+while the heavier one ahead finishes. SARATHI's micro-batches are equal in tokens except
+where a prompt ends: its last chunk is short, and that micro-batch is light. `uniform`
+composes each micro-batch as SARATHI does, decodes first, then prefill up to the token
+budget (C, less one per decode with tile alignment), and:
 
-Target: `planner.target_ms`, or by default the predicted time of a full SARATHI
-micro-batch whose B - 1 decodes attend to half the KV length (a typical heavy batch).
+- packs: when a prompt's last chunk leaves room, the next prompts' chunks fill it
+  (`planner.pack_prefills`; Sarathi-Serve and DeepSpeed-FastGen pack the same way), so
+  every micro-batch with prefill work carries exactly C tokens: whole matmul tiles, the
+  same linear time;
+- with `planner.target_ms`, also caps each micro-batch's *predicted time* (attention over
+  long KV, the paper's PB3, or a chunk late in a long prompt): the chunk that would
+  overshoot is cut to the largest that fits (never under C / 8 tokens).
+
+Measured (benchmarks/planners.py, docs/planner.md): the time cap lowers bubbles and the
+p99 time between tokens but costs makespan, because a cut chunk still pays for whole
+matmul tiles; so it is off unless asked for. Predicted times come from the one cost model
+the simulator uses (`costmodel/`, `build_cost_model`): the same prices plan the real
+runtime and the simulated one.
 """
 from __future__ import annotations
 
 from pp_runtime.batch import SeqChunk
 from pp_runtime.config import Config
-from pp_runtime.planner.cost import AnalyticCost, CostModel
+from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.sarathi import SarathiPlanner
+
+MAX_PACKED = 4  # prefill chunks in one micro-batch, at most
 
 
 class UniformPlanner(SarathiPlanner):
@@ -23,24 +36,58 @@ class UniformPlanner(SarathiPlanner):
 
     def __init__(self, cfg: Config, cost_model: CostModel | None = None):
         super().__init__(cfg, cost_model)
-        self.cost = cost_model or AnalyticCost.from_config(cfg)
-        if cfg.planner.target_ms is not None:
-            self.target_s = cfg.planner.target_ms / 1e3
-        else:
-            d = self.max_batch - 1
-            chunk = self.chunk_size - d if self.tile_align else self.chunk_size
-            self.target_s = self.cost.microbatch_time([(0, chunk)], [cfg.seq_len // 2] * d)
+        self.pack = cfg.planner.pack_prefills
         self.min_chunk = max(1, self.chunk_size // 8)
+        target = cfg.planner.target_ms
+        self.target_s = float("inf") if target is None else target / 1e3
+        if target is not None and cost_model is None:  # the simulator's, for real runs too
+            from pp_runtime.costmodel import build_cost_model
+            cost_model = build_cost_model(cfg)
+        self.cost = cost_model
 
-    def chunk_budget(self, decodes: list[SeqChunk], start: int) -> int:
-        """SARATHI's chunk if it fits the target, else the largest that does."""
-        kv = [s.kv_len for s in decodes]
-        fits = lambda n: self.cost.microbatch_time([(start, n)], kv) <= self.target_s  # noqa: E731
-        lo, hi = self.min_chunk, super().chunk_budget(decodes, start)
-        if hi <= lo or fits(hi):
-            return max(hi, 1)
-        hi -= 1
-        while lo < hi:  # largest n in [lo, hi] that fits (lo when none does)
+    def compose(self, now: float) -> list[SeqChunk]:
+        prefilling = self.prefilling()
+        limit = self.max_batch - 1 if prefilling else self.max_batch
+        ready = [r for r in self.idle() if r.num_scheduled >= r.prompt_len]
+        seqs = [self.decode(r) for r in ready[:limit]]
+        if prefilling:
+            seqs += self.fill([s.kv_len for s in seqs], prefilling)
+        return seqs
+
+    def fill(self, kv: list[int], prefilling: list) -> list[SeqChunk]:
+        """Prefill chunks beside decodes of these KV lengths, up to the budget (C tokens in
+        all with tile alignment, else C prefill tokens) and the time target: the first
+        prompt's next chunk, then (packing) the next prompts' first ones."""
+        chunks: list[tuple[int, int]] = []
+        room = self.chunk_size - (len(kv) if self.tile_align else 0)
+        out = []
+        for req in prefilling[:MAX_PACKED]:
+            start, left = req.num_scheduled, req.prompt_len - req.num_scheduled
+            n = self._largest_fit(chunks, kv, start, min(left, room))
+            if n < min(left, self.min_chunk):  # too little time left for a useful chunk
+                if chunks:
+                    break
+                n = min(left, self.min_chunk)  # alone: at least C / 8, so prompts move
+            chunks.append((start, n))
+            out.append(self.prefill(req, n))
+            room -= n
+            if n < left or not self.pack or room <= 0 or len(kv) + len(out) >= self.max_batch:
+                break
+        return out
+
+    def _largest_fit(self, chunks: list[tuple[int, int]], kv: list[int], start: int,
+                     hi: int) -> int:
+        """The largest n <= hi whose chunk (start, n) with `chunks` and the decodes fits
+        the time target; 0 when none does. Times grow with n: binary search."""
+        if hi <= 0:
+            return 0
+        if self.target_s == float("inf"):
+            return hi
+        fits = lambda n: self.cost.microbatch_time([*chunks, (start, n)], kv) <= self.target_s  # noqa: E731
+        if fits(hi):
+            return hi
+        lo, hi = 0, hi - 1
+        while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo

@@ -188,6 +188,7 @@ def bubble_cdf_figure(run_dirs: list[Path]):
         ax.axvline(floor, color="grey", ls=":", lw=1)
         xlabel += f"\nrequests with 0 bubble are drawn on the dotted line ({floor:.2g} s)"
     right = positive.max() * 1.5 if positive.size else floor * 10  # all zero: a visible span
+    ax.set_xlim(floor / 1.5, right)  # before the log scale: one point autoscales to a singular span
     ax.set(xscale="log", xlim=(floor / 1.5, right), ylim=(0, 1.02), xlabel=xlabel,
            ylabel="fraction of requests", title="Bubble time per request (CDF)")
     ax.grid(alpha=0.3, which="both")

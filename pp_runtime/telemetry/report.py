@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pp_runtime.config import Config
+from pp_runtime.errors import ConfigError
 from pp_runtime.request import RequestOutput
 from pp_runtime.telemetry.bubbles import CAUSES, fractions_by_cause
 from pp_runtime.telemetry.recorder import MB_COLUMNS, TIMELINE_COLUMNS, RunRecorder
@@ -34,6 +36,9 @@ class RunResult:
     run_wall_s: float  # how long the run itself took (a simulation's own runtime)
     cost_sources: dict[str, str] | None = None  # simulator: which source priced each op
     device: str | None = None  # real runs: the device the stages ran on (cpu, cuda)
+    # why the run stopped before every request finished ("SIGINT", "SIGTERM", "worker
+    # failure"); None when it ran to the end. Unfinished requests then end in error.
+    interrupted_by: str | None = None
 
 
 def _hardware(cfg: Config) -> str:
@@ -102,6 +107,8 @@ def build_report(run: RunResult) -> dict[str, Any]:
                        "gpu": _hardware(cfg) if run.executor == "sim" else (run.device or cfg.runtime.device),
                        "chunk_size": pl.chunk_size, "max_batch_size": pl.max_batch_size},
         "run_wall_s": run.run_wall_s,
+        "partial": run.interrupted_by is not None,  # stopped early: see interrupted_by
+        "interrupted_by": run.interrupted_by,
     }
     if run.cost_sources:
         summary["cost_sources"] = run.cost_sources
@@ -124,7 +131,8 @@ def write_report(run: RunResult, out_dir: str | Path, plots: bool = True) -> dic
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(run)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
+    report = strict_json(report)  # NaN / inf (a run with no tokens) become null
+    (out / "report.json").write_text(json.dumps(report, indent=1, allow_nan=False))
     _write_csv(out / "requests.csv", REQUEST_COLUMNS,
                ([r[c] for c in REQUEST_COLUMNS] for r in report["requests"]))
     _write_csv(out / "microbatches.csv", ["replica", *MB_COLUMNS],
@@ -143,11 +151,37 @@ def write_report(run: RunResult, out_dir: str | Path, plots: bool = True) -> dic
     return report
 
 
+def strict_json(obj: Any) -> Any:
+    """obj with every non-finite float replaced by None: report.json is strict JSON (RFC
+    8259 has no NaN or Infinity), so any parser reads it."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
+REPORT_KEYS = ("summary", "config", "requests")
+
+
 def read_report(out_dir: str | Path) -> dict[str, Any]:
+    """report.json of a run directory; ConfigError (naming the file) when it is missing,
+    not JSON, or lacks the report's sections (a run cut off while writing it)."""
     path = Path(out_dir) / "report.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{out_dir}: no report.json (not a finished run directory)")
-    return json.loads(path.read_text())
+        raise ConfigError(f"{out_dir}: no report.json (not a finished run directory)")
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not a report: not valid JSON ({exc}); re-run to write "
+                          "it again") from exc
+    missing = [k for k in REPORT_KEYS if k not in report] if isinstance(report, dict) else REPORT_KEYS
+    if missing:
+        raise ConfigError(f"{path}: not a complete report: no {', '.join(missing)}; re-run "
+                          "to write it again")
+    return report
 
 
 def format_summary(report: dict[str, Any]) -> str:
@@ -167,6 +201,9 @@ def format_summary(report: dict[str, Any]) -> str:
         f"time between tokens median {_t(tbt['median'])}, p99 {_t(tbt['p99'])}",
         f"  finish reasons: {s['finish_reasons']}",
     ]
+    if s.get("partial"):  # reports before these keys have neither
+        lines.insert(1, f"  PARTIAL: interrupted by {s['interrupted_by']}; the unfinished "
+                        "requests ended with finish reason error")
     return "\n".join(lines + stage_table(s["per_stage"]))
 
 

@@ -210,3 +210,29 @@ def test_ray_cluster_sbatch_runs_a_pp2_workload(slurm):
     assert summary["finish_reasons"] == {"length": REQUESTS}
     assert [s["stage"] for s in summary["per_stage"]] == [0, 1]
     assert not processes_mentioning(str(d / "ray")), "the job's trap left Ray processes behind"
+
+
+def test_ray_cluster_sbatch_serve_mode_answers_a_load_run(slurm):
+    """MODE=serve: `pp-runtime serve` on the head (tiny model, PP=2 Ray actors), the script
+    waits for /health, then SERVE_CLIENT streams a short workload at it; the job's exit
+    status is the client's and the trap stops the server and Ray."""
+    pytest.importorskip("pp_runtime.serve", reason="pp-runtime serve is not there yet")
+    env, d = slurm
+    out, log = d / "out" / "bench", d / "out" / "job.log"
+    client = (f"pp-runtime bench serve --url $SERVE_URL --config tiny --requests {REQUESTS} "
+              f"--qps 4 --quiet --out {out}")
+    job_env = {**env, "MODE": "serve", "CONFIG": "tiny", "HEAD_IP": "127.0.0.1",
+               "SERVE_PORT": str(free_port()), "SERVE_CLIENT": client,
+               "RAY_PORT": str(free_port()), "RAY_TEMP_DIR": str(d / "ray"), "RAY_DASHBOARD": "false",
+               "RAY_START_ARGS": f"--ray-client-server-port={free_port()}",
+               "PP_ARGS": "--set pp=2 --set threads_per_worker=1"}
+    job = run(["sbatch", "--parsable", "--nodes=1", f"--output={log}", f"--chdir={REPO}",
+               str(REPO / "slurm" / "ray_cluster.sbatch")], job_env).strip().split(";")[0]
+    fields = wait_for_job(job, env, log)
+    print(tail(log))
+
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), tail(log)
+    assert "pp-runtime serve ready: http://127.0.0.1:" in log.read_text()
+    summary = json.loads((out / "loadgen.json").read_text())["summary"]
+    assert (summary["completed"], summary["failed"]) == (REQUESTS, 0)
+    assert not processes_mentioning(str(d / "ray")), "the job's trap left Ray processes behind"

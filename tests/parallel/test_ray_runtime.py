@@ -74,6 +74,28 @@ def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, monkeyp
         + ([f"send to {r + tp}"] if r < (pp - 1) * tp else []) for r in range(tp * pp)]
 
 
+@pytest.mark.parametrize("hf_checkpoint", ["gpt", "llama"], indirect=True)
+def test_an_uneven_layer_split_is_token_exact_against_transformers(hf_checkpoint):
+    """parallel.layer_split on Ray PP=2, 3 layers cut 1 + 2 (the even split is 2 + 1): each
+    actor built, loaded from the checkpoint and cached exactly its layers, and greedy
+    generation equals transformers' token for token."""
+    import torch
+
+    family, model, path = hf_checkpoint
+    split = [1, 2]
+    with LLM.from_pretrained(path, **PLAN, pp=2, layer_split=split) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+        held = ray.get([actor.__ray_call__.remote(
+            lambda a: (a.worker.lo, a.worker.hi, len(a.worker.model.layers), len(a.worker.cache.k)))
+            for actor in llm.executor.actors])
+    assert held == [(0, split[0], split[0], split[0]), (split[0], 3, split[1], split[1])]
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                             min_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
 def tiny(**overrides):
     return load_config("tiny", pp=2, executor="ray", threads_per_worker=1, **overrides)
 
@@ -85,8 +107,9 @@ def test_real_and_simulated_runs_split_every_stage_by_cause():
     stage 0 waits for sampled tokens (dependency: decodes need the last stage's token)."""
     from pp_runtime.simulate import simulate
 
+    # pp micro-batches in flight, not the default pp + 1 (which hides stage 0's wait)
     cfg = tiny(**{"workload.kind": "fixed", "workload.num_requests": 6, "prompt_len": 40,
-                  "output_len": 5})
+                  "output_len": 5, "in_flight": 2})
     t0 = time.perf_counter()
     run = run_workload(cfg)
     wall = time.perf_counter() - t0
@@ -194,7 +217,10 @@ def test_the_device_is_decided_once_on_the_driver():
     assert ray_device(tiny(device="auto", tp=2), four_gpus) == "cuda"  # a GPU per worker
     assert ray_device(tiny(device="auto", tp=4), four_gpus) == "cpu"  # 8 workers, 4 GPUs
     assert ray_device(tiny(device="auto"), none) == "cpu"
-    assert ray_device(tiny(device="cuda"), none) == "cuda"  # placement then says too small
+    assert ray_device(tiny(device="cuda", tp=2), four_gpus) == "cuda"
+    with pytest.raises(ConfigError, match=r"runtime.device: cuda needs a GPU per worker \(2\), "
+                                          r"but the Ray cluster has 0"):
+        ray_device(tiny(device="cuda"), none)  # a clear error, not a placement time-out
     assert ray_device(tiny(device="cpu"), four_gpus) == "cpu"
 
 

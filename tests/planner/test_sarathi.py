@@ -17,8 +17,10 @@ def test_chunk_then_piggybacked_decodes_exact_contents():
 
 
 def test_two_stages_in_flight_interleave_requests():
-    """With pp = 2 the second micro-batch cannot take request 0 (in flight): it chunks 1."""
-    p = planner("sarathi", chunk_size=8, max_batch_size=3, tile_size=8, pp=2)
+    """Without chunk pipelining, the second micro-batch cannot take request 0 (in flight):
+    it chunks 1."""
+    p = planner("sarathi", chunk_size=8, max_batch_size=3, tile_size=8, pp=2,
+                chunk_pipelining=False)
     add(p, 0, 12, 2)
     add(p, 1, 6, 2)
     assert contents(drive(p, 2)) == [
@@ -28,6 +30,24 @@ def test_two_stages_in_flight_interleave_requests():
         [(1, 6, 1, True)],  # 1's decode; 0 is in flight and no prompt waits
         [(0, 12, 1, True)],
     ]
+
+
+def test_pipelined_chunks_follow_each_other_into_the_pipeline():
+    """With chunk pipelining (the default) request 0's second chunk enters right behind its
+    first: its first token comes back after micro-batch 1 (tick 2), not 2 (tick 3). Its
+    decode still waits for that token."""
+    p = planner("sarathi", chunk_size=8, max_batch_size=3, tile_size=8, pp=2)
+    add(p, 0, 12, 2)
+    add(p, 1, 6, 2)
+    log = drive(p, 2)
+    assert contents(log) == [
+        [(0, 0, 8, False)],
+        [(0, 8, 4, False)],  # behind its first chunk, both in flight
+        [(1, 0, 6, False)],  # 0 is fully scheduled but not computed: no decode yet
+        [(0, 12, 1, True)],  # after micro-batch 1 came back with 0's first token
+        [(1, 6, 1, True)],
+    ]
+    assert p.requests[0].first_token_s == 2.0
 
 
 def test_untiled_chunks_keep_their_size():

@@ -1,0 +1,111 @@
+"""Balanced pipeline stages: `parallel.layer_split: auto`.
+
+Every stage runs its layers over the same micro-batch, but stage 0 also embeds the tokens
+and the last stage also runs the final norm, the LM head and sampling; with an even split
+the last stage is the slowest and sets the pace (DynaPipe; Megatron's uneven first and
+last stages; vLLM's layer partition). `auto` prices with the cost model the micro-batches
+a SARATHI run is made of, per prefill chunk of the workload:
+
+  - one full micro-batch: a chunk of C (less the B - 1 decodes when tile-aligned) plus
+    B - 1 decodes at half the KV length (the micro-batch `uniform` targets);
+  - the decodes that do not ride along with chunks, B to a decode-only micro-batch:
+    (C * D / P - (B - 1)) / B of them per chunk (P:D from the workload; none if <= 0).
+
+Decode-only micro-batches are cheap per layer but pay the whole LM head (its weights are
+read whatever the row count), so they are what makes the last stage busier; one full
+micro-batch alone misses most of it. A stage's busy time over the run is linear in its
+layer count, so summing the three parts (layer, embedding, head) over that mix and then
+
+    minimise over contiguous splits (k_0 .. k_pp-1, each >= 1, summing to num_layers)
+        max_s  k_s * layer + [s = 0] * embedding + [s = pp - 1] * head
+
+by dynamic programming over (stage, layers so far); among the splits that reach the
+minimum, the one with the most even stage times (least sum of squares; ties: earlier
+stages take more layers, as the even split does). No torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from pp_runtime.config import Config
+
+_CHOSEN: dict[tuple, list[int]] = {}  # auto splits chosen in this process, by what prices them
+_REL = 1e-9  # stage times within this relative distance are equal (float noise)
+
+
+def typical_microbatches(cfg: Config) -> list[tuple[float, list[tuple[int, int]], list[int]]]:
+    """(weight, prefills, decode KV lengths) of the micro-batches per prefill chunk of a
+    SARATHI run of this workload: one full micro-batch, and the decode-only ones."""
+    pl, w = cfg.planner, cfg.workload
+    decodes, kv = pl.max_batch_size - 1, max(1, cfg.seq_len // 2)
+    chunk = max(1, pl.chunk_size - decodes if pl.tile_align else pl.chunk_size)
+    d_per_p = w.output_len / w.prompt_len if w.kind == "fixed" else 1 / w.pd_ratio
+    decode_only = max(0.0, chunk * d_per_p - decodes) / pl.max_batch_size
+    mix = [(1.0, [(0, chunk)], [kv] * decodes)]
+    if decode_only > 0:
+        mix.append((decode_only, [], [kv] * pl.max_batch_size))
+    return mix
+
+
+def balanced_split(num_layers: int, layer_s: float, extra_s: Sequence[float]) -> list[int]:
+    """Layers per stage minimising the slowest stage, where stage s holding k layers costs
+    k * layer_s + extra_s[s] (len(extra_s) stages, each >= 1 layer); see the module doc."""
+    pp = len(extra_s)
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"{num_layers} layers cannot fill {pp} stages")
+
+    def cost(s: int, k: int) -> float:
+        return k * layer_s + extra_s[s]
+
+    def choices(s: int, n: int) -> range:  # layers stage s may take when stages 0..s hold n
+        return range(1, n - s + 1) if s else range(n, n + 1)
+
+    inf = float("inf")
+    # pass 1: least slowest stage over stages 0..s holding n layers
+    worst = [[inf] * (num_layers + 1) for _ in range(pp)]
+    for s in range(pp):
+        for n in range(s + 1, num_layers - (pp - 1 - s) + 1):
+            worst[s][n] = min(max(worst[s - 1][n - k] if s else -inf, cost(s, k))
+                              for k in choices(s, n))
+    cap = worst[pp - 1][num_layers] * (1 + _REL) + 1e-15
+    # pass 2: least sum of squared stage times with every stage within the cap
+    squares = [[inf] * (num_layers + 1) for _ in range(pp)]
+    take = [[0] * (num_layers + 1) for _ in range(pp)]
+    for s in range(pp):
+        for n in range(s + 1, num_layers - (pp - 1 - s) + 1):
+            for k in choices(s, n):  # ascending: on a tie the earlier stages keep more
+                t = cost(s, k)
+                if t > cap:
+                    break  # cost grows with k
+                total = (squares[s - 1][n - k] if s else 0.0) + t * t
+                if total < squares[s][n] * (1 - _REL):
+                    squares[s][n], take[s][n] = total, k
+    split, n = [], num_layers
+    for s in reversed(range(pp)):
+        split.append(take[s][n])
+        n -= take[s][n]
+    return split[::-1]
+
+
+def auto_layer_split(cfg: Config) -> list[int]:
+    """`parallel.layer_split: auto` for this config: `balanced_split` of the per-layer,
+    embedding and head times summed over `typical_microbatches` (cached per process)."""
+    from pp_runtime.costmodel.model import build_cost_model
+
+    w = cfg.workload
+    key = (cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.planner, cfg.seq_len, cfg.hardware,
+           w.kind, w.pd_ratio, w.prompt_len, w.output_len)
+    if key not in _CHOSEN:
+        even = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layer_split=None))
+        cost = build_cost_model(even)
+        layer = emb = head = 0.0
+        for weight, prefills, decode_kv_lens in typical_microbatches(cfg):
+            parts = cost.parts(prefills, decode_kv_lens)
+            layer, emb, head = (x + weight * y for x, y in zip((layer, emb, head), parts))
+        pp = cfg.parallel.pp
+        extra = [0.0] * pp
+        extra[0] += emb
+        extra[-1] += head
+        _CHOSEN[key] = balanced_split(cfg.model.num_layers, layer, extra)
+    return list(_CHOSEN[key])

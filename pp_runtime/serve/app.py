@@ -1,0 +1,294 @@
+"""The HTTP routes of `pp-runtime serve` (FastAPI): OpenAI's API over one `Engine`.
+
+  POST /v1/completions, /v1/chat/completions   `stream: true` = server-sent events
+  GET  /v1/models, /metrics (Prometheus text), /health (no API key needed)
+
+A request is checked before it is taken in (400 naming the field), then added to the
+engine with a listener that hands its events to this request's asyncio queue; a full
+waiting queue is 429 with Retry-After, a server that is starting or whose pipeline failed
+is 503. A client that goes away (mid-stream, or while waiting for a whole response)
+aborts its request, which frees its KV slot. Every accepted request ends with a finish
+reason: length or stop, or an error body / error event (pipeline failure, shutdown).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from pp_runtime.engine import Engine, EngineClosed, Finished, QueueFull, Token
+from pp_runtime.request import FinishReason, InvalidRequestError, SamplingParams
+from pp_runtime.serve import protocol as P
+from pp_runtime.serve.metrics import ServeMetrics
+from pp_runtime.serve.text import BadText, Codec
+
+RETRY_AFTER_S = 1  # what a 429 / 503 asks the client to wait
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is there
+
+
+@dataclass
+class ServeState:
+    """What the routes need; `engine` and `codec` appear once every stage is up."""
+
+    model: str  # the one model name served
+    max_len: int  # KV positions per request (prompt + max_tokens)
+    vocab_size: int
+    seed: int  # the runtime seed: unseeded requests draw from seed * 1_000_003 + n
+    metrics: ServeMetrics
+    api_key: str | None = None
+    engine: Engine | None = None
+    codec: Codec | None = None
+    error: str | None = None  # why the stages could not start
+    created: int = field(default_factory=lambda: int(time.time()))
+    _serial: itertools.count = field(default_factory=itertools.count)
+
+    def ready_engine(self) -> Engine:
+        """The engine, or 503 while starting, after a failed start or a pipeline failure."""
+        if self.engine is None or not self.engine.healthy:
+            reason = self.error or ("the stage workers are starting" if self.engine is None
+                                    else f"the pipeline failed: {self.engine.failure}")
+            raise P.ApiError(503, f"not ready: {reason}", type="service_unavailable",
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
+        return self.engine
+
+
+def build_app(state: ServeState, lifespan=None) -> FastAPI:
+    app = FastAPI(title="pp-runtime", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    @app.exception_handler(P.ApiError)
+    async def api_error(request: Request, exc: P.ApiError):
+        if exc.status in (400, 429, 503):
+            state.metrics.refused(exc.status)
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # unknown route, method
+        return JSONResponse(P.ApiError(exc.status_code, str(exc.detail)).body(), exc.status_code)
+
+    def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            raise P.ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                             code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        """200 once every stage worker is up; 503 while starting and after a failure."""
+        e = state.engine
+        if state.error or e is None or not e.healthy:
+            status = "failed" if state.error else "starting" if e is None else "unhealthy"
+            why = state.error or (str(e.failure) if e is not None and e.failure else None)
+            return JSONResponse({"status": status, "error": why}, 503)
+        return {"status": "ok", "model": state.model, "running": e.num_running(),
+                "waiting": e.num_waiting()}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": state.model, "object": "model",
+                                            "created": state.created, "owned_by": "pp_runtime",
+                                            "max_model_len": state.max_len}]}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        authorize(request)
+        e = state.engine
+        body = state.metrics.scrape(e.num_running() if e else 0, e.num_waiting() if e else 0)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(state, request, authorize, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(state, request, authorize, chat=True)
+
+    return app
+
+
+async def _generate(state: ServeState, request: Request, authorize, chat: bool):
+    authorize(request)
+    engine = state.ready_engine()
+    body = P.parse(P.ChatRequest if chat else P.CompletionRequest, await request.body())
+    if body.model != state.model:
+        raise P.ApiError(400, f"model {body.model!r} is not served here; this server serves "
+                              f"{state.model!r} (GET /v1/models)", "model", code="model_not_found")
+    prompt = _prompt_ids(state, body, chat)
+    params = _sampling(state, body, len(prompt), chat)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def listener(event) -> None:  # on the engine thread
+        if isinstance(event, Finished):
+            o = event.output
+            state.metrics.finished(str(o.finish_reason), len(o.prompt_token_ids), len(o.token_ids))
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    seed = state.seed * 1_000_003 + next(state._serial)
+    try:
+        engine.add_request(prompt, params, rid, listener=listener, seed=seed)
+    except QueueFull as exc:
+        raise P.ApiError(429, f"too many requests waiting: {exc}; retry later",
+                         type="rate_limit_exceeded", code="queue_full",
+                         headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EngineClosed as exc:
+        raise P.ApiError(503, str(exc), type="service_unavailable",
+                         headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except InvalidRequestError as exc:  # what the checks above missed, in the engine's words
+        raise P.ApiError(400, str(exc), _field_of(str(exc), chat)) from None
+    reply = _Reply(rid, state.model, chat, state.codec.decoder(), len(prompt),
+                   include_usage=bool(body.stream_options and body.stream_options.include_usage))
+    if body.stream:
+        return StreamingResponse(_events(engine, rid, queue, reply), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await _whole(engine, rid, queue, reply, request)
+
+
+def _prompt_ids(state: ServeState, body, chat: bool) -> list[int]:
+    field_name = "messages" if chat else "prompt"
+    try:
+        if chat:
+            ids = state.codec.chat([(m.role, m.text()) for m in body.messages])
+        elif isinstance(body.prompt, str):
+            ids = state.codec.encode(body.prompt)
+        else:
+            ids = list(body.prompt)
+    except BadText as exc:
+        raise P.ApiError(400, f"{field_name}: {exc}", field_name) from None
+    if not ids:
+        raise P.ApiError(400, f"{field_name}: the prompt is empty (no tokens)", field_name)
+    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise P.ApiError(400, f"{field_name}: token id {bad} is outside the vocabulary "
+                              f"[0, {state.vocab_size})", field_name)
+    return ids
+
+
+def _sampling(state: ServeState, body, prompt_len: int, chat: bool) -> SamplingParams:
+    max_tokens = body.max_tokens
+    if chat and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    room = state.max_len - prompt_len
+    if max_tokens is None:  # chat without a limit: up to the context
+        max_tokens = room
+    if room < 1 or prompt_len + max_tokens > state.max_len:
+        field_name = "max_tokens" if room >= 1 else ("messages" if chat else "prompt")
+        raise P.ApiError(400, f"{field_name}: the prompt ({prompt_len} tokens) + max_tokens "
+                              f"({max_tokens}) = {prompt_len + max_tokens} exceeds the context of "
+                              f"{state.max_len} tokens", field_name, code="context_length_exceeded")
+    temperature = P.OPENAI_TEMPERATURE if body.temperature is None else body.temperature
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                          ignore_eos=body.ignore_eos)
+
+
+def _field_of(message: str, chat: bool) -> str:
+    """The field an engine check names first (`max_tokens must be ...`), else the prompt."""
+    first = message.split()[0] if message else ""
+    return first if first in ("max_tokens", "temperature", "top_p", "seed", "ignore_eos") else (
+        "messages" if chat else "prompt")
+
+
+class _Reply:
+    """One request's response bodies and stream chunks, built from its events."""
+
+    def __init__(self, rid: str, model: str, chat: bool, decoder, prompt_len: int,
+                 include_usage: bool):
+        self.rid, self.model, self.chat, self.decoder = rid, model, chat, decoder
+        self.prompt_len, self.include_usage = prompt_len, include_usage
+
+    def chunk(self, text: str, token_ids: list[int], reason: str | None = None,
+              first: bool = False, **extra) -> str:
+        body = P.envelope(self.rid, self.model, self.chat, chunk=True)
+        body["choices"] = [P.choice(self.chat, True, text, token_ids, reason, first)]
+        body.update(extra)
+        return _sse(body)
+
+    def final_chunk(self, f: Finished) -> str:
+        extra = {"pp_runtime": P.timing(f.timing),
+                 "usage": P.usage(self.prompt_len, len(f.output.token_ids))}
+        return self.chunk("", [], P.finish_reason(f.output.finish_reason), **extra)
+
+    def whole(self, f: Finished) -> dict:
+        ids = f.output.token_ids
+        text = "".join(self.decoder.add(t) for t in ids)
+        body = P.envelope(self.rid, self.model, self.chat, chunk=False)
+        body["choices"] = [P.choice(self.chat, False, text, list(ids),
+                                    P.finish_reason(f.output.finish_reason))]
+        body.update(usage=P.usage(self.prompt_len, len(ids)), pp_runtime=P.timing(f.timing))
+        return body
+
+
+def _failure(f: Finished) -> P.ApiError | None:
+    """The error a request that did not complete ends with (None when it did)."""
+    reason = f.output.finish_reason
+    if reason == FinishReason.ERROR:
+        return P.ApiError(500, f"the pipeline failed: {f.output.error}", type="server_error",
+                          code="pipeline_failed")
+    if reason == FinishReason.ABORTED:
+        return P.ApiError(503, "the request was aborted (the server is shutting down)",
+                          type="service_unavailable", code="aborted")
+    return None
+
+
+async def _events(engine: Engine, rid: str, queue: asyncio.Queue, reply: _Reply):
+    """The SSE stream: a chunk per token, a final chunk (finish reason, usage, timing), then
+    [DONE]; an error event instead if the request failed. A client that leaves cancels
+    this generator: its request is aborted."""
+    finished = False
+    try:
+        if reply.chat:
+            yield reply.chunk("", [], first=True)
+        while True:
+            event = await queue.get()
+            if isinstance(event, Token):
+                yield reply.chunk(reply.decoder.add(event.token_id), [event.token_id])
+                continue
+            finished = True
+            error = _failure(event)
+            yield _sse(error.body()) if error else reply.final_chunk(event)
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        if not finished:
+            engine.abort(rid)
+
+
+async def _whole(engine: Engine, rid: str, queue: asyncio.Queue, reply: _Reply,
+                 request: Request):
+    """Wait for the end; abort if the client goes away meanwhile."""
+    finished = None
+    try:
+        while finished is None:
+            try:
+                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)  # nobody reads it
+                continue
+            if isinstance(event, Finished):
+                finished = event
+    finally:
+        if finished is None:
+            engine.abort(rid)
+    error = _failure(finished)
+    if error:
+        return JSONResponse(error.body(), error.status)
+    return reply.whole(finished)
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"

@@ -1,0 +1,91 @@
+"""`parallel.layer_split: auto`: the split that minimises the slowest stage, on costs where
+the answer can be worked out by hand, and on the simulator, whose stages end up busier
+alike than with the even split. No torch."""
+from __future__ import annotations
+
+import pytest
+
+from pp_runtime.config import Config, even_split, load_config
+from pp_runtime.costmodel import balance
+from pp_runtime.costmodel.balance import balanced_split, typical_microbatches
+
+
+@pytest.mark.parametrize("layers, extra, split", [
+    (12, [0.0, 2.0], [7, 5]),  # LM head = 2 layers: 7 | 5 + 2
+    (12, [1.0, 0.0, 0.0, 3.0], [3, 4, 4, 1]),  # 16 layer-times over 4 stages: 4 each
+    (12, [0.0, 20.0], [11, 1]),  # a head heavier than the model: every stage keeps a layer
+    (12, [5.0], [12]),  # pp = 1
+    (96, [0.5, 0, 0, 0, 0, 0, 0, 3.0], [12, 13, 13, 13, 12, 12, 12, 9]),  # slowest 13
+])
+def test_balanced_split_minimises_the_slowest_stage_by_hand(layers, extra, split):
+    assert balanced_split(layers, 1.0, extra) == split
+
+
+def test_with_no_extras_the_balanced_split_is_the_even_split():
+    """Ties (13 layers on 2 stages) go to earlier stages, as the even split does."""
+    for n in range(1, 30):
+        for pp in range(1, min(n, 16) + 1):
+            assert balanced_split(n, 0.37, [0.0] * pp) == even_split(n, pp), (n, pp)
+
+
+def test_100_layers_on_16_stages_is_quick():
+    import time
+
+    t0 = time.perf_counter()
+    split = balanced_split(100, 0.3, [0.1] + [0.0] * 14 + [0.9])
+    assert time.perf_counter() - t0 < 1.0
+    assert sum(split) == 100 and min(split) >= 1 and split[-1] == 3  # 3 * 0.3 + 0.9 = 1.8
+
+
+class MadeUpCost:
+    """One layer costs 1 s, the embedding nothing, final norm + LM head 2 s, whatever the
+    micro-batch."""
+
+    def parts(self, prefills, decode_kv_lens):
+        return 1.0, 0.0, 2.0
+
+
+def test_auto_on_a_made_up_cost_model_is_worked_out_by_hand(monkeypatch):
+    """12 layers, pp = 2, an LM head costing 2 layers: stage times 7 | 5 + 2."""
+    from pp_runtime.costmodel import model
+
+    built = []
+    monkeypatch.setattr(balance, "_CHOSEN", {})
+    monkeypatch.setattr(model, "build_cost_model", lambda cfg: built.append(cfg) or MadeUpCost())
+    cfg = Config().with_overrides(num_layers=12, pp=2, layer_split="auto")
+    assert cfg.layers_per_stage() == [7, 5]
+    assert [cfg.stage_layers(s) for s in (0, 1)] == [(0, 7), (7, 12)]
+    assert cfg.with_layer_split_resolved().parallel.layer_split == [7, 5]
+    assert len(built) == 1 and built[0].parallel.layer_split is None  # priced on an even cut
+    # pp = 3: slowest 5 at best (14 layer-times); [5, 5, 2], [5, 4, 3], [4, 5, 3] tie on
+    # every measure, and earlier stages keep more
+    assert cfg.with_overrides(pp=3).layers_per_stage() == [5, 5, 2]
+
+
+def test_the_mix_is_one_full_microbatch_plus_the_decodes_left_over_per_chunk():
+    """GPT-2 workload, C = 256, B = 8, P:D = 10: a chunk of 249 brings 24.9 decodes; 7 ride
+    along with it, the other 17.9 fill 2.24 decode-only micro-batches of 8."""
+    cfg = load_config("cpu/gpt2_pp2")
+    (w1, pre1, dec1), (w2, pre2, dec2) = typical_microbatches(cfg)
+    assert (w1, pre1, dec1) == (1.0, [(0, 249)], [512] * 7)
+    assert w2 == pytest.approx((249 / 10 - 7) / 8) and (pre2, dec2) == ([], [512] * 8)
+    short = cfg.with_overrides(pd_ratio=50.0)  # 5 decodes per chunk: all ride along
+    assert len(typical_microbatches(short)) == 1
+
+
+def test_simulated_stages_are_busy_alike_with_auto():
+    """GPT-2-small on two stages (priced for an A100): with the even split the last stage
+    (LM head) is far busier than the first; with auto the two stages' busy times over the
+    whole simulated run are close."""
+    from pp_runtime.simulate import simulate
+    from pp_runtime.telemetry.report import build_report
+
+    def busy_ratio(split):
+        cfg = load_config("cpu/gpt2_pp2", layer_split=split, **{"workload.num_requests": 32})
+        busy = [st["busy_s"] for st in build_report(simulate(cfg, progress=False))
+                ["summary"]["per_stage"]]
+        return max(busy) / min(busy), cfg.layers_per_stage()
+
+    (even, even_cut), (auto, auto_cut) = busy_ratio(None), busy_ratio("auto")
+    assert even_cut == [6, 6] and auto_cut == [8, 4]
+    assert even > 1.5 and auto < 1.05  # measured: 1.671 and 1.003
