@@ -154,6 +154,7 @@ def check_clean_exit(run: Run, code: int, took: float) -> None:
 @pytest.mark.parametrize("sig, group, code", [(signal.SIGINT, True, 130),
                                               (signal.SIGTERM, False, 143)],
                          ids=["ctrl-c", "sigterm"])
+@pytest.mark.slow
 def test_a_signal_mid_run_ends_a_ray_pipeline_cleanly(tmp_path, sig, group, code):
     run = Run("run", "--config", "cpu/gpt2_pp2", "--out", str(tmp_path))
     run.wait_for(run.generating)
@@ -170,6 +171,7 @@ def test_a_signal_mid_run_ends_a_ray_pipeline_cleanly(tmp_path, sig, group, code
     assert len(run.ports) >= 5  # the check saw Ray's ports (GCS, raylet, agents, workers)
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_ray_starts_leaves_no_agent_behind(tmp_path):
     # the raylet starts its dashboard and runtime-env agents; an interrupted ray.init used
     # to leave them listening for a minute
@@ -208,6 +210,7 @@ def test_ctrl_c_ends_a_simulation_with_a_partial_report(tmp_path):
 def test_sigterm_raises_like_ctrl_c_and_names_its_exit_code():
     from pp_runtime import interrupt
 
+    before = signal.getsignal(signal.SIGTERM)  # Ray's own, if an earlier test started Ray
     with interrupt.handled():
         for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
             with pytest.raises(KeyboardInterrupt) as info:
@@ -217,7 +220,7 @@ def test_sigterm_raises_like_ctrl_c_and_names_its_exit_code():
             assert str(exc) == f"interrupted by {signal.Signals(sig).name}"
             assert interrupt.exit_code(exc) == code
             del exc, info  # an interrupt still held counts as being handled
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back
+    assert signal.getsignal(signal.SIGTERM) == before  # put back
 
 
 def test_a_signal_while_one_is_handled_is_ignored(capfd):

@@ -286,6 +286,7 @@ def test_bad_checkpoint_is_named_at_load(case, gpt_checkpoint, tmp_path, capsys)
                  "2", "--quiet", "--out", str(tmp_path / "good")]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["truncated-safetensors", "nan-weights"])
 def test_bad_checkpoint_on_ray_is_a_user_error_too(case, gpt_checkpoint, tmp_path):
     """On the Ray path the file check runs on the driver before any actor starts; NaN weights

@@ -14,6 +14,8 @@ from datetime import timedelta
 
 import pytest
 
+pytestmark = pytest.mark.slow  # Ray actors or torchrun processes (pytest.ini)
+
 WORKLOAD = ["--set", "workload.kind=fixed", "--set", "prompt_len=37", "--set", "output_len=6",
             "--requests", "5", "--set", "threads_per_worker=1"]
 

@@ -12,6 +12,8 @@ import pytest
 
 from running_server import Server, cmdline, descendants
 
+pytestmark = pytest.mark.slow  # Ray actors or torchrun processes (pytest.ini)
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray")
 
