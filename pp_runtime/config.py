@@ -113,7 +113,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tp: int = 1  # tensor-parallel ranks per stage
-    pp: int = 1  # pipeline stages; up to pp micro-batches are in flight
+    pp: int = 1  # pipeline stages; planner.in_flight (pp + 1) micro-batches are in flight
     dp: int = 1  # data-parallel replicas of the tp x pp deployment (the simulator routes
     #              each request to the least-loaded one)
     layer_split: list[int] | str | None = None  # decoder layers per stage: a list (one count

@@ -1,6 +1,7 @@
 """The driver loop: keep up to `depth` micro-batches in flight, feed results back.
 
-One loop for every executor. With pp stages, depth = pp: the planner plans the next
+One loop for every executor. With pp stages, depth = `cfg.in_flight` (pp + 1 by default:
+the extra one hides the return of a result to the planner): the planner plans the next
 micro-batch while earlier ones are still in the pipeline, and results come back in order.
 """
 from __future__ import annotations

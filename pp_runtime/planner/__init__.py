@@ -3,7 +3,7 @@
 | name | policy |
 | --- | --- |
 | sarathi | one prefill chunk + decodes, tile-aligned (the paper) |
-| uniform | sarathi with the chunk sized by predicted time (this project) |
+| uniform | sarathi + packing of tail chunks (the default; optional time cap) |
 | orca-best | one whole prefill + decodes |
 | orca-worst | whole prefills or decodes, never both |
 | vllm | prefill-first with a token budget, whole prefills |
@@ -31,6 +31,6 @@ PLANNERS: dict[str, type[BasePlanner]] = {
 
 
 def make_planner(cfg: Config, cost_model: CostModel | None = None) -> BasePlanner:
-    """The planner `cfg.planner.planner`; cost-aware ones (uniform) price micro-batches with
-    `cost_model` (default: the analytic roofline)."""
+    """The planner `cfg.planner.planner`; cost-aware ones (uniform with `target_ms`) price
+    micro-batches with `cost_model` (default: the simulator's, `build_cost_model(cfg)`)."""
     return PLANNERS[cfg.planner.planner](cfg, cost_model)
