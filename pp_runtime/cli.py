@@ -31,6 +31,8 @@ from pp_runtime.errors import WorkerFailed
 from pp_runtime.memory import memory_plan
 from pp_runtime.driver import ExecutorFailed
 from pp_runtime.request import InvalidRequestError, SamplingParams
+from pp_runtime.cli_run import (RUN_DEFAULT_CONFIG, describe_microbatch, kv_cache_bytes,
+                                run_base_config, run_prompt_args, what_runs)
 
 
 def _parse_overrides(pairs: list[str]) -> dict:
@@ -55,68 +57,6 @@ def _config(args) -> Config:
     return Config().with_overrides(**overrides) if overrides else Config()
 
 
-def _describe(mb, out) -> str:
-    prefill = [s for s in mb.seqs if not s.is_decode]
-    decodes = [s for s in mb.seqs if s.is_decode]
-    parts = [f"mb {mb.mb_id:4d}"]
-    if prefill:
-        s = prefill[0]
-        parts.append(f"prefill r{s.request_id} [{s.start}:{s.kv_len}) {s.num_tokens:4d} tok")
-    else:
-        parts.append(f"{'no prefill':>24s}")
-    kv = f" (kv {min(s.kv_len for s in decodes)}..{max(s.kv_len for s in decodes)})" if decodes else ""
-    parts.append(f"{len(decodes):3d} decodes{kv}")
-    parts.append(f"{mb.num_tokens:4d} tokens")
-    parts.append(f"{sum(t.compute_s for t in out.timings if t.tp_rank == 0) * 1e3:7.1f} ms")
-    return " | ".join(parts)
-
-
-RUN_DEFAULT_CONFIG = "cpu/gpt2_pp2"  # `run` without --config / --checkpoint: a real pipeline
-
-
-def _run_base_config(args) -> Config:
-    """The config `run` starts from: --config, a checkpoint's shapes (pp=1 unless --set pp),
-    or the default 2-stage Ray pipeline (not `Config()`, which runs in this process)."""
-    if args.checkpoint:
-        from pp_runtime.model.loader import model_config_from_hf, read_hf_config
-
-        model = model_config_from_hf(read_hf_config(args.checkpoint),
-                                     name=Path(args.checkpoint).name)
-        return Config(model=model)  # as LLM.from_pretrained
-    return load_config(args.config or RUN_DEFAULT_CONFIG)
-
-
-def _has_gpus(n: int) -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.device_count() >= n
-
-
-def _what_runs(cfg: Config, args) -> str:
-    """One line, printed before anything starts: processes, where, transport, weights."""
-    m, p, rt = cfg.model, cfg.parallel, cfg.runtime
-    executor = rt.executor if rt.executor != "auto" else ("ray" if p.tp * p.pp > 1 else "local")
-    ranks = f"{p.pp} pipeline stage{'s' if p.pp > 1 else ''}"
-    ranks += f" x {p.tp} TP ranks" if p.tp > 1 else ""
-    weights = f"weights from {args.checkpoint}" if args.checkpoint else "random weights"
-    source = (f"checkpoint {args.checkpoint}" if args.checkpoint else
-              f"config {args.config}" if args.config else
-              f"config {RUN_DEFAULT_CONFIG}, the default; --config default runs in this process")
-    if executor != "ray":
-        device = rt.device if rt.device != "auto" else ("cuda" if _has_gpus(1) else "cpu")
-        return f"{ranks} in this process ({device}), {m.name} shapes with {weights} [{source}]"
-    if rt.ray_address is None:  # a local Ray: the executor uses GPUs if there is one per worker
-        gpus = rt.device.startswith("cuda") or (rt.device == "auto" and _has_gpus(p.tp * p.pp))
-        threads = rt.threads_per_worker
-        how = ("NCCL, one GPU each" if gpus else "gloo, CPU" + (
-            f", {threads} torch thread{'s' if threads != 1 else ''} each" if threads else ""))
-        where = f"127.0.0.1 ({how})"
-    else:
-        where = f"the Ray cluster at {rt.ray_address} (NCCL on GPUs, else gloo)"
-    return (f"{ranks} as {p.tp * p.pp} Ray actor{'s' if p.tp * p.pp > 1 else ''} on {where}, "
-            f"{m.name} shapes with {weights} [{source}]")
-
-
 def cmd_run(args) -> int:
     from pp_runtime.llm import LLM  # torch is imported only by commands that need it
     from pp_runtime.telemetry.recorder import RunRecorder
@@ -128,10 +68,10 @@ def cmd_run(args) -> int:
     overrides = _parse_overrides(args.set)
     if args.planner:
         overrides["planner"] = args.planner
-    base = _run_base_config(args)
+    base = run_base_config(args)
     cfg = base.with_overrides(**overrides) if overrides else base.validate()
-    n, lo, hi = _run_prompt_args(args, cfg.seq_len)  # before anything starts
-    print(_what_runs(cfg, args), flush=True)
+    n, lo, hi = run_prompt_args(args, cfg.seq_len)  # before anything starts
+    print(what_runs(cfg, args), flush=True)
     llm = LLM(cfg, checkpoint=args.checkpoint)
     cfg = llm.config
     m, p = cfg.model, cfg.parallel
@@ -154,7 +94,7 @@ def cmd_run(args) -> int:
     def on_microbatch(mb, out):
         rec(mb, out)
         if not args.quiet:
-            print(_describe(mb, out), flush=True)
+            print(describe_microbatch(mb, out), flush=True)
 
     t1 = time.perf_counter()
     try:
@@ -208,38 +148,6 @@ def _partial_report(out: Path):
         raise
 
 
-def _run_prompt_args(args, seq_len: int) -> tuple[int, int, int]:
-    """`run`'s requests and prompt lengths (n, shortest, longest), checked against each
-    other and the context before anything starts. Unset lengths fit the context: the
-    longest prompt defaults to min(600, context - max_tokens), the shortest to min(32, it);
-    lengths the user gave are never clipped silently."""
-    def bad(flag: str, problem: str) -> ConfigError:
-        return ConfigError(f"{flag}: {problem}")
-    n = 8 if args.requests is None else args.requests
-    if n < 1:
-        raise bad("--requests", f"must be >= 1, got {n}")
-    if args.max_tokens < 1:
-        raise bad("--max-tokens", f"must be >= 1, got {args.max_tokens}")
-    problems = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p).problems()
-    if problems:
-        raise bad("--temperature/--top-p", problems[0])
-    room = seq_len - args.max_tokens  # positions left for a prompt
-    if room < 1:
-        raise bad("--max-tokens", f"{args.max_tokens} leaves no room for a prompt in the "
-                  f"{seq_len}-token context; lower it")
-    hi = min(600, room) if args.max_prompt is None else args.max_prompt
-    lo = min(32, hi) if args.min_prompt is None else args.min_prompt
-    if lo < 1:
-        raise bad("--min-prompt", f"must be >= 1, got {lo}")
-    if hi < lo:
-        raise bad("--max-prompt", f"{hi} is below --min-prompt {lo}")
-    if hi > room:
-        raise bad("--max-prompt", f"{hi} + --max-tokens {args.max_tokens} exceeds the "
-                  f"{seq_len}-token context; use --max-prompt {room} or less")
-    return n, lo, hi
-
-
 def _run_config_workload(args) -> int:
     """`run --workload`: the config's workload section on the real runtime, like simulate
     (without --config: the default 2-stage pipeline's workload)."""
@@ -264,12 +172,6 @@ def _workload_report(args, to, kind: str, verb: str) -> dict:
     print(format_summary(report))
     print(f"  {verb} in {report['summary']['run_wall_s']:.1f} s; reports and plots in {out}/")
     return report
-
-
-def kv_cache_bytes(cfg: Config) -> int:
-    """K and V of every slot, layer and head, over all workers."""
-    m = cfg.model
-    return 2 * m.num_layers * cfg.num_slots * cfg.seq_len * m.kv_heads * m.head_dim * m.dtype_bytes
 
 
 def cmd_memory(args) -> int:
@@ -399,11 +301,11 @@ def cmd_serve(args) -> int:
     from pp_runtime.serve.server import serve  # fastapi and uvicorn: only for this command
 
     overrides = _parse_overrides(args.set)
-    base = _run_base_config(args)
+    base = run_base_config(args)
     cfg = base.with_overrides(**overrides) if overrides else base.validate()
     if args.max_waiting < 0:
         raise ConfigError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    print(_what_runs(cfg, args), flush=True)
+    print(what_runs(cfg, args), flush=True)
     api_key = args.api_key or os.environ.get("PP_RUNTIME_API_KEY") or None
     try:
         return serve(cfg, args.checkpoint, args.host, args.port, api_key, args.max_waiting)
