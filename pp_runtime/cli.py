@@ -32,7 +32,8 @@ from pp_runtime.memory import memory_plan
 from pp_runtime.driver import ExecutorFailed
 from pp_runtime.request import InvalidRequestError, SamplingParams
 from pp_runtime.cli_run import (RUN_DEFAULT_CONFIG, describe_microbatch, kv_cache_bytes,
-                                run_base_config, run_prompt_args, what_runs)
+                                run_base_config, run_prompt_args, what_runs,
+                                with_checkpoint_model)
 
 
 def _parse_overrides(pairs: list[str]) -> dict:
@@ -153,7 +154,10 @@ def _run_config_workload(args) -> int:
     (without --config: the default 2-stage pipeline's workload)."""
     if not args.config and not args.checkpoint:
         args.config = RUN_DEFAULT_CONFIG
-    report = _workload_report(args, _run_to, "run", "ran")
+
+    def to(cfg: Config, out: Path, progress: bool) -> dict:  # the checkpoint's weights
+        return _run_to(cfg, out, progress, args.checkpoint)
+    report = _workload_report(args, to, "run", "ran")
     return 1 if report["summary"]["finish_reasons"].get("error") else 0
 
 
@@ -162,6 +166,8 @@ def _workload_report(args, to, kind: str, verb: str) -> dict:
     from pp_runtime.telemetry.report import format_summary
 
     cfg = config_from_args(args.config, args)
+    if getattr(args, "checkpoint", None):  # `run --workload --checkpoint DIR`: its shapes
+        cfg = with_checkpoint_model(cfg, args.checkpoint).validate()
     out = Path(args.out or f"runs/{kind}-{cfg.model.name}-{cfg.planner.planner}")
     try:
         report = to(cfg, out, not args.quiet)
@@ -210,8 +216,9 @@ def _simulate_to(cfg: Config, out: Path, progress: bool = True) -> dict:
     return write_report(run, out)
 
 
-def _run_to(cfg: Config, out: Path, progress: bool = True) -> dict:
-    """cfg's workload on the real runtime; a progress bar counts generated tokens."""
+def _run_to(cfg: Config, out: Path, progress: bool = True, checkpoint: str | None = None) -> dict:
+    """cfg's workload on the real runtime (a checkpoint's weights, else random ones); a
+    progress bar counts generated tokens."""
     from tqdm import tqdm
 
     from pp_runtime.llm import run_workload
@@ -221,7 +228,8 @@ def _run_to(cfg: Config, out: Path, progress: bool = True) -> dict:
     total = sum(s.output_len for s in generate(cfg.workload))
     with _partial_report(out), tqdm(total=total, unit="tok", disable=not progress, leave=False,
                                     desc=f"run {cfg.planner.planner}") as bar:
-        run = run_workload(cfg, on_microbatch=lambda mb, res: bar.update(len(res.tokens)))
+        run = run_workload(cfg, checkpoint,
+                           on_microbatch=lambda mb, res: bar.update(len(res.tokens)))
     return write_report(run, out)
 
 
@@ -340,8 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "127.0.0.1 (gloo on a CPU, NCCL with a GPU per stage), "
                                      "GPT-2-small shapes with random weights.")
     common(run, f"{RUN_DEFAULT_CONFIG} (2 Ray stage actors); 'default' = all in this process")
-    run.add_argument("--checkpoint", help="Hugging Face-format model directory (pp=1 in this "
-                                          "process unless --set pp=N)")
+    run.add_argument("--checkpoint",
+                     help="Hugging Face-format model directory: its shapes and weights, with "
+                          "--config's other sections (alone: pp=1 in this process)")
     run.add_argument("--requests", type=int, default=None, help="requests (default 8)")
     run.add_argument("--min-prompt", type=int, default=None,
                      help="shortest random prompt (default: min(32, --max-prompt))")

@@ -32,15 +32,27 @@ RUN_DEFAULT_CONFIG = "cpu/gpt2_pp2"  # `run` without --config / --checkpoint: a 
 
 
 def run_base_config(args) -> Config:
-    """The config `run` starts from: --config, a checkpoint's shapes (pp=1 unless --set pp),
-    or the default 2-stage Ray pipeline (not `Config()`, which runs in this process)."""
-    if args.checkpoint:
-        from pp_runtime.model.loader import model_config_from_hf, read_hf_config
+    """The config `run` starts from: --config (the default 2-stage Ray pipeline without
+    one; not `Config()`, which runs in this process), with the model section taken from
+    --checkpoint when one is given. A checkpoint alone runs in this process (pp=1 unless
+    --set pp), as LLM.from_pretrained does."""
+    if args.checkpoint and not args.config:
+        return with_checkpoint_model(Config(), args.checkpoint)
+    return with_checkpoint_model(load_config(args.config or RUN_DEFAULT_CONFIG), args.checkpoint)
 
-        model = model_config_from_hf(read_hf_config(args.checkpoint),
-                                     name=Path(args.checkpoint).name)
-        return Config(model=model)  # as LLM.from_pretrained
-    return load_config(args.config or RUN_DEFAULT_CONFIG)
+
+def with_checkpoint_model(cfg: Config, checkpoint: str | None) -> Config:
+    """cfg with its model section read from a checkpoint's config.json (shapes, dtype auto):
+    a config and a checkpoint compose like every other override; the config's other
+    sections (parallel, planner, runtime, workload) are kept."""
+    if not checkpoint:
+        return cfg
+    import dataclasses
+
+    from pp_runtime.model.loader import model_config_from_hf, read_hf_config
+
+    model = model_config_from_hf(read_hf_config(checkpoint), name=Path(checkpoint).name)
+    return dataclasses.replace(cfg, model=model)
 
 
 def has_gpus(n: int) -> bool:
@@ -56,7 +68,8 @@ def what_runs(cfg: Config, args) -> str:
     ranks = f"{p.pp} pipeline stage{'s' if p.pp > 1 else ''}"
     ranks += f" x {p.tp} TP ranks" if p.tp > 1 else ""
     weights = f"weights from {args.checkpoint}" if args.checkpoint else "random weights"
-    source = (f"checkpoint {args.checkpoint}" if args.checkpoint else
+    source = (f"config {args.config} + checkpoint {args.checkpoint}" if args.checkpoint and args.config
+              else f"checkpoint {args.checkpoint}" if args.checkpoint else
               f"config {args.config}" if args.config else
               f"config {RUN_DEFAULT_CONFIG}, the default; --config default runs in this process")
     if executor != "ray":

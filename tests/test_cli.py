@@ -56,3 +56,40 @@ def test_memory_reports_the_papers_batch_size():
     r = cli("memory", "--config", "paper/gpt3_tp8_pp8")
     assert r.returncode == 0, r.stderr
     assert "27 per micro-batch" in r.stdout
+
+
+def test_a_config_and_a_checkpoint_compose(tmp_path):
+    """`run --config C --checkpoint D`: D's shapes and weights, C's parallel / planner /
+    runtime sections (the config was dropped silently before); and `run --workload
+    --checkpoint D` runs D's weights, not random ones: its tokens are transformers'."""
+    import random
+
+    import yaml
+    from conftest import hf_model
+    from test_hf_reference import hf_greedy
+
+    model = hf_model("gpt")  # 3 layers, vocab 300, 128 positions
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    cfg = tmp_path / "two_stages.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "parallel": {"pp": 2}, "runtime": {"executor": "local"},
+        "planner": {"planner": "sarathi", "chunk_size": 8, "max_batch_size": 3, "tile_size": 8},
+        "workload": {"kind": "fixed", "num_requests": 3, "prompt_len": 20, "output_len": 4,
+                     "seed": 7}}))
+    r = cli("run", "--config", str(cfg), "--checkpoint", str(ckpt), "--requests", "2",
+            "--max-prompt", "30", "--max-tokens", "3", "--quiet", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith("2 pipeline stages in this process")
+    assert f"config {cfg} + checkpoint {ckpt}" in r.stdout.splitlines()[0]
+    saved = json.loads((tmp_path / "run" / "report.json").read_text())["config"]
+    assert saved["parallel"]["pp"] == 2 and saved["planner"]["chunk_size"] == 8
+    assert saved["model"]["vocab_size"] == 300 and saved["model"]["num_layers"] == 3
+
+    r = cli("run", "--workload", "--config", str(cfg), "--checkpoint", str(ckpt), "--quiet",
+            "--out", str(tmp_path / "workload"))
+    assert r.returncode == 0, r.stderr
+    rng = random.Random(7)  # run_workload's prompts: the workload seed, the model's vocabulary
+    prompts = [[rng.randrange(300) for _ in range(20)] for _ in range(3)]
+    outs = [json.loads(line) for line in (tmp_path / "workload" / "outputs.jsonl").read_text().splitlines()]
+    assert [o["token_ids"] for o in outs] == [hf_greedy(model, p, 4) for p in prompts]
