@@ -188,26 +188,10 @@ def check_requests(prompt_token_ids: object, params: object, arrival_s: object,
             f"(e.g. [[1, 2, 3]]), got {type(prompt_token_ids).__name__}")
     prompts = [list(p) if isinstance(p, (list, tuple)) else p for p in prompt_token_ids]
     n = len(prompts)
-    if params is None:
-        params = SamplingParams()
-    if isinstance(params, SamplingParams):
-        plist = [params] * n
-    elif isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
-        plist = list(params)
-        if len(plist) != n:
-            raise InvalidRequestError(f"got {n} prompts but {len(plist)} SamplingParams")
-    else:
-        raise InvalidRequestError("params must be a SamplingParams or a list of one per "
-                                  f"prompt, got {type(params).__name__}")
-    if arrival_s is None:
-        arrivals = [0.0] * n
-    elif isinstance(arrival_s, Sequence) and not isinstance(arrival_s, (str, bytes)):
-        arrivals = list(arrival_s)
-        if len(arrivals) != n:
-            raise InvalidRequestError(f"got {n} prompts but {len(arrivals)} arrival_s times")
-    else:
-        raise InvalidRequestError("arrival_s must be a list of seconds, one per prompt, "
-                                  f"got {type(arrival_s).__name__}")
+    plist = _one_per_prompt(SamplingParams() if params is None else params, n, SamplingParams,
+                            "params", "a SamplingParams or a list of one per prompt", "SamplingParams")
+    arrivals = [0.0] * n if arrival_s is None else _one_per_prompt(  # () : never a single value
+        arrival_s, n, (), "arrival_s", "a list of seconds, one per prompt", "arrival_s times")
     problems = []
     for i, (prompt, sp, at) in enumerate(zip(prompts, plist, arrivals)):
         errs = check_prompt(prompt, sp, vocab_size, max_len)
@@ -222,6 +206,18 @@ def check_requests(prompt_token_ids: object, params: object, arrival_s: object,
         raise InvalidRequestError(f"{len(problems)} of {n} requests rejected, none run:\n  "
                                   + "\n  ".join(problems))
     return prompts, plist, [float(a) for a in arrivals]
+
+
+def _one_per_prompt(value: object, n: int, single: type | tuple, name: str, expected: str,
+                    plural: str) -> list:
+    """`value` for each of n prompts: one value repeated, or a sequence of exactly n."""
+    if isinstance(value, single):
+        return [value] * n
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != n:
+            raise InvalidRequestError(f"got {n} prompts but {len(value)} {plural}")
+        return list(value)
+    raise InvalidRequestError(f"{name} must be {expected}, got {type(value).__name__}")
 
 
 def check_prompt(prompt: object, params: object, vocab_size: int, max_len: int) -> list[str]:

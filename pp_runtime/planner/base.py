@@ -74,6 +74,18 @@ class BasePlanner:
             return [r for r in self.running if r.num_scheduled < r.prompt_len]
         return [r for r in self.running if r.num_scheduled == r.num_computed < r.prompt_len]
 
+    def fill_prefills(self, seqs: list[SeqChunk], prompts: list[Request], budget: int) -> list[SeqChunk]:
+        """Append chunks of `prompts`, in order, each taking what is left of its prompt or of
+        the token `budget`, until the budget or B sequences run out (the multi-chunk
+        policies: sarathi-serve, gllm)."""
+        for r in prompts:
+            if budget <= 0 or len(seqs) == self.max_batch:
+                break
+            chunk = self.prefill(r, budget)
+            budget -= chunk.num_tokens
+            seqs.append(chunk)
+        return seqs
+
     @staticmethod
     def decode(req: Request) -> SeqChunk:
         """Feed the last generated token back (advances the scheduled counter)."""

@@ -85,11 +85,4 @@ class GllmPlanner(BasePlanner):
             return []  #                 advances once per micro-batch it could compose
         running_decodes = sum(1 for r in self.running if r.num_scheduled >= r.prompt_len)
         seqs = [self.decode(r) for r in ready[: self.decode_budget(running_decodes)]]
-        budget = self.prefill_budget(now)
-        for r in prompts:
-            if budget <= 0 or len(seqs) == self.max_batch:
-                break
-            chunk = self.prefill(r, budget)
-            budget -= chunk.num_tokens
-            seqs.append(chunk)
-        return seqs
+        return self.fill_prefills(seqs, prompts, self.prefill_budget(now))

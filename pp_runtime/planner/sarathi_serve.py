@@ -39,10 +39,4 @@ class SarathiServePlanner(BasePlanner):
         prompts = self.prefilling()
         started = [r for r in prompts if r.num_scheduled > 0]
         new = [r for r in prompts if r.num_scheduled == 0]
-        for r in started + new:
-            if budget <= 0 or len(seqs) == self.max_batch:
-                break
-            chunk = self.prefill(r, budget)
-            budget -= chunk.num_tokens
-            seqs.append(chunk)
-        return seqs
+        return self.fill_prefills(seqs, started + new, budget)
