@@ -176,6 +176,13 @@ class RuntimeConfig:
     step_timeout_s: float = 120.0  # a micro-batch no rank finishes within this ends the run
     startup_timeout_s: float = 300.0  # actors placed, groups formed and weights loaded within this
     metrics: bool = True  # export Ray metrics (ray executor)
+    # CPU fast paths (docs/performance.md); neither changes anything on CUDA
+    prepack: bool = True  # linear layers on prepacked oneDNN weights (CPU, float32/bfloat16,
+    #                       tp = 1 layers; results differ from plain torch by fp32 rounding)
+    kv_layout: str = "auto"  # KV cache order: "heads" ([slot][head][position], each head's
+    #                          keys contiguous: decode attention streams them), "tokens"
+    #                          ([slot][position][head], the flattened rows FlashAttention's
+    #                          varlen decode reads); "auto": heads on a CPU, tokens on CUDA
 
 
 @dataclass(frozen=True)
@@ -388,6 +395,8 @@ def validate(cfg: Config) -> None:
            "use 0 for a free port")
     _check(rt.threads_per_worker is None or rt.threads_per_worker >= 1, "runtime.threads_per_worker",
            f"must be >= 1, got {rt.threads_per_worker}", "leave it unset for cores / workers")
+    _check(rt.kv_layout in ("auto", "heads", "tokens"), "runtime.kv_layout",
+           f"unknown layout {rt.kv_layout!r}", "use auto, heads or tokens")
     _check(rt.step_timeout_s > 0 and rt.startup_timeout_s > 0, "runtime.step_timeout_s",
            "timeouts must be > 0", "use e.g. 120 and 300 seconds")
 

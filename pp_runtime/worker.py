@@ -21,6 +21,7 @@ from pp_runtime.config import Config
 from pp_runtime.device import torch_dtype
 from pp_runtime.memory import check_stage_fits
 from pp_runtime.model.attention import BatchLayout
+from pp_runtime.model.cpu_kernels import prepack_linears
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.loader import load_stage_weights
 from pp_runtime.model.transformer import StageModel, materialize
@@ -49,6 +50,8 @@ class StageWorker:
             model.init_random(cfg.runtime.seed)  # draws only this rank's shard
         else:
             load_stage_weights(model, checkpoint)  # reads only this rank's slices
+        if cfg.runtime.prepack and device.type == "cpu":  # after loading: packing drops the dense weights
+            prepack_linears(model)
         self.model = model.eval().requires_grad_(False)
         self.cache = KVCache.for_stage(cfg, self.hi - self.lo, dtype, device)
         self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None

@@ -41,7 +41,8 @@ from pp_runtime.config import Config
 from pp_runtime.device import resolve_device, torch_dtype
 from pp_runtime.errors import ConfigError
 from pp_runtime.model.attention import BatchLayout, decode_attention, prefill_attention, rope
-from pp_runtime.model.kv_cache import KVCache
+from pp_runtime.model.cpu_kernels import PackedLinear, can_prepack, prepack_linears
+from pp_runtime.model.kv_cache import KVCache, heads_major
 from pp_runtime.model.transformer import DecoderLayer, StageModel
 from pp_runtime.parallel.layers import LocalShard
 from pp_runtime.costmodel.p2p import measure_send_recv
@@ -226,6 +227,9 @@ def measure_mlp(cfg: Config, model: StageModel, grid: ProfileGrid, effort: Effor
     with torch.device(device):  # one rank's LM head: [vocab / tp, hidden]
         head = LocalShard(cfg.parallel.tp).vocab_head(m.vocab_size, m.hidden_size)
     head = head.to(model.layers[0].qkv.weight.dtype)
+    head.weight.normal_(0.0, 0.02)
+    if cfg.runtime.prepack and device.type == "cpu" and can_prepack(head.weight.dtype):
+        head = PackedLinear.from_linear(head)  # as the worker's LM head
     for n in grid.num_tokens:
         ops = _layer_ops(model, head, n, cfg.seq_len)
         times = {op: 0.0 if fn is None else median_ms(fn, device, effort) for op, fn in ops.items()}
@@ -260,12 +264,14 @@ def _decode_op(layer: DecoderLayer, cache: KVCache, batch: int, cached: int) -> 
     return lambda: decode_attention(q, *kv(), lay)  # the path hybrid_attention takes
 
 
-def _filled_cache(layer: DecoderLayer, slots: int, seq_len: int, layers: int) -> KVCache:
+def _filled_cache(layer: DecoderLayer, slots: int, seq_len: int, layers: int,
+                  heads_major: bool) -> KVCache:
     """A KV cache of `layers` layers (rotated through, like the weights), within COLD_BYTES."""
     w = layer.qkv.weight
     per_layer = 2 * slots * seq_len * layer.kv_heads * layer.head_dim * w.element_size()
     layers = max(1, min(layers, COLD_BYTES // max(1, per_layer)))
-    cache = KVCache(layers, slots, seq_len, layer.kv_heads, layer.head_dim, w.dtype, w.device)
+    cache = KVCache(layers, slots, seq_len, layer.kv_heads, layer.head_dim, w.dtype, w.device,
+                    heads_major)
     for t in (*cache.k, *cache.v):  # [slots, seq_len, kv_heads / tp, head_dim]
         t.normal_()
     return cache
@@ -276,7 +282,8 @@ def measure_attention(cfg: Config, layer: DecoderLayer, grid: ProfileGrid, effor
     m, device, rows = cfg.model, layer.qkv.weight.device, []
     for is_prefill, points in ((True, grid.prefills), (False, grid.decodes)):
         slots = 1 if is_prefill else max((b for b, _ in points), default=1)
-        cache = _filled_cache(layer, slots, cfg.seq_len, cold_layers(cfg))
+        cache = _filled_cache(layer, slots, cfg.seq_len, cold_layers(cfg),
+                              heads_major(cfg, device))
         for a, cached in points:  # a: the chunk (prefill) or the number of decodes
             op = (_prefill_op if is_prefill else _decode_op)(layer, cache, a, cached)
             ms = median_ms(op, device, effort)
@@ -340,6 +347,8 @@ def measure_profile(cfg: Config, out_dir: str | Path, *, quick: bool = False,
     dtype = cfg.model.dtype_for(device.type)  # "auto": the checkpoint's on a GPU, fp32 on a CPU
     model = _rank_model(cfg, device, cold_layers(cfg)).to(torch_dtype(dtype))
     model.init_random(cfg.runtime.seed)
+    if cfg.runtime.prepack and device.type == "cpu":  # the matmuls the workers will run
+        prepack_linears(model)
     model = model.eval().requires_grad_(False)
     with tqdm(total=grid.size, desc="profile", unit="pt", disable=not progress) as bar, \
             torch.inference_mode():

@@ -147,12 +147,13 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
                                                    False, False, seqused_k=seqused_k)[0]
 
 
-def decode_kernel(q: torch.Tensor) -> str:
-    """The decode path: "varlen" (one FlashAttention-2 call) for CUDA fp16/bf16 and a head_dim
-    it takes (a multiple of 8 up to 256), else "views"."""
+def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """The decode path: "varlen" (one FlashAttention-2 call) for CUDA fp16/bf16, a head_dim
+    it takes (a multiple of 8 up to 256) and a cache in "tokens" order (it reads the cache
+    as flattened rows; kv_cache.py), else "views"."""
     head_dim = q.shape[-1]
     if (q.is_cuda and q.dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
-            and _torch_has_flash_varlen()):
+            and k_cache.is_contiguous() and _torch_has_flash_varlen()):
         return "varlen"
     return "views"
 
@@ -167,7 +168,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     "varlen": the cache flattened to [slots * seq_len, kv_heads, head_dim] is a varlen key
     batch in which decode b starts at row slot_b * seq_len and uses its kv_len rows; the
     slots ascend, so the offsets do too."""
-    if decode_kernel(q) == "varlen":
+    if decode_kernel(q, k_cache) == "varlen":
         _path_calls["decode_varlen"] += 1
         seq_len, kv_heads, head_dim = k_cache.shape[1:]
         cu_k = layout.decode_cu_slots * seq_len  # [D + 1] int32 first row of each slot

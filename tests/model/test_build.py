@@ -16,6 +16,7 @@ from pp_runtime.memory import stage_memory, stage_params
 from pp_runtime.model.loader import checkpoint_dtype, model_config_from_hf, read_hf_config
 from pp_runtime.model.transformer import StageModel, materialize
 from pp_runtime.parallel.layers import LocalShard, Unsharded, shard_of
+from pp_runtime.model.cpu_kernels import PackedLinear
 from pp_runtime.worker import StageWorker
 
 CPU = torch.device("cpu")
@@ -125,22 +126,36 @@ def gpt2_small_checkpoint(tmp_path_factory):
     return path
 
 
+def _weight_bytes(model) -> int:
+    """Bytes of a stage's weights: its parameters and its layers' oneDNN-packed weights."""
+    packed = [m.weight for m in model.modules() if isinstance(m, PackedLinear)]
+    packed += [m.bias for m in model.modules() if isinstance(m, PackedLinear) and m.bias is not None]
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *packed])
+
+
+@pytest.mark.parametrize("prepack", [False, True], ids=["dense", "prepacked"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_building_a_stage_from_a_checkpoint_allocates_one_copy(gpt2_small_checkpoint, dtype):
+def test_building_a_stage_from_a_checkpoint_allocates_one_copy(gpt2_small_checkpoint, dtype,
+                                                               prepack):
     """Stage 0 of 2 (the embedding and one layer, 186 MB in fp32): the worker allocates its
     weights once, in their final dtype, and copies the file's tensors straight into them.
-    Built in fp32 and cast (the old way) it held 1.5x the fp32 size at bf16."""
+    Built in fp32 and cast (the old way) it held 1.5x the fp32 size at bf16. Packing the
+    linear layers for oneDNN frees each dense weight as its packed copy is made."""
     path = gpt2_small_checkpoint
     cfg = Config(model=model_config_from_hf(read_hf_config(path))).with_overrides(
-        pp=2, dtype=dtype, max_batch_size=1, max_seq_len=16)
+        pp=2, dtype=dtype, max_batch_size=1, max_seq_len=16, prepack=prepack)
     files = {f.stat().st_size for f in path.glob("*.safetensors")}
     peak, worker = _peak_bytes(lambda: StageWorker(cfg, 0, CPU, path), files)
-    weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    assert any(isinstance(m, PackedLinear) for m in worker.model.modules()) == prepack
+    weights = _weight_bytes(worker.model)
     fp32 = stage_params(cfg.model, 1, 0, 1) * 4
     assert weights == stage_memory(cfg, 0, 4 if dtype == "float32" else 2).weight_bytes
     print(f"\n{dtype}: peak {peak / 1e6:.1f} MB for {weights / 1e6:.1f} MB of weights + "
           f"{worker.cache.nbytes / 1e6:.2f} MB of KV (fp32 size {fp32 / 1e6:.1f} MB)")
-    assert peak <= weights + worker.cache.nbytes + 2**20  # nothing but the weights and KV
+    # nothing but the weights and KV (packing: plus the one layer being packed)
+    packing = max((m.weight.numel() * m.weight.element_size() for m in worker.model.modules()
+                   if isinstance(m, PackedLinear)), default=0)
+    assert peak <= weights + worker.cache.nbytes + packing + 2**20
     assert peak < 2 * fp32
 
 
@@ -148,7 +163,7 @@ def test_random_init_allocates_one_copy_and_a_bounded_staging_buffer():
     cfg = Config().with_overrides(vocab_size=4096, num_layers=2, dtype="bfloat16",
                                   max_batch_size=1, max_seq_len=16)
     peak, worker = _peak_bytes(lambda: StageWorker(cfg, 0, CPU))
-    weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    weights = _weight_bytes(worker.model)
     print(f"\nrandom bf16: peak {peak / 1e6:.1f} MB for {weights / 1e6:.1f} MB of weights")
     assert peak <= weights + worker.cache.nbytes + 3 * 4 * 2**20  # + float32 staging, 4 MB
 

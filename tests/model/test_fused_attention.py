@@ -25,9 +25,9 @@ LAYERS = 3  # of the conftest checkpoints
 FLASH_ONLY = SDPBackend.FLASH_ATTENTION
 
 
-def make_worker(path, device="cpu", dtype="float32") -> StageWorker:
+def make_worker(path, device="cpu", dtype="float32", kv_layout="auto") -> StageWorker:
     cfg = Config(model=model_config_from_hf(read_hf_config(path))).with_overrides(
-        kv_slots=8, dtype=dtype)
+        kv_slots=8, dtype=dtype, kv_layout=kv_layout)
     return StageWorker(cfg, 0, torch.device(device), checkpoint=path)
 
 
@@ -146,7 +146,7 @@ def test_varlen_decode_call_equals_views(hf_checkpoint, monkeypatch):
     (and a chunk) give the logits of the per-decode views path."""
     family, model, path = hf_checkpoint
     p = prompts(model.config.vocab_size)
-    worker = make_worker(path)
+    worker = make_worker(path, kv_layout="tokens")  # the order the varlen kernel reads
     slot_of = {1: 6, 2: 1, 3: 4}  # request -> slot: the batch lists the slots as 6, 1, 4
     for s, slot in slot_of.items():
         run(worker, [SeqChunk(s, slot, 0, tuple(p[s][:-1]), None)])
@@ -154,7 +154,7 @@ def test_varlen_decode_call_equals_views(hf_checkpoint, monkeypatch):
             for s, slot in slot_of.items()] + [SeqChunk(0, 5, 0, tuple(p[0][:9]), None)]
     views = run(worker, seqs)
     monkeypatch.setattr(attention, "flash_varlen", reference_flash_varlen)
-    monkeypatch.setattr(attention, "decode_kernel", lambda q: "varlen")
+    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache: "varlen")
     before = attention_paths()
     varlen = run(worker, seqs)
     assert calls_since(before) == {"prefill_causal": LAYERS, "decode_varlen": LAYERS}
@@ -196,7 +196,7 @@ def test_cuda_hybrid_batch_runs_on_flash(hf_checkpoint, dtype, monkeypatch):
     with sdpa_kernel(FLASH_ONLY):
         fused, calls = hybrid_run(make_worker(path, "cuda", dtype), p)
     assert calls == {"prefill_lower_right": LAYERS, "decode_varlen": LAYERS}
-    monkeypatch.setattr(attention, "decode_kernel", lambda q: "views")
+    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache: "views")
     with sdpa_kernel(SDPBackend.MATH):
         unfused, _ = hybrid_run(make_worker(path, "cuda", dtype), p)
     error = lambda x: float((x - ref).abs().max() / ref.abs().max())  # noqa: E731

@@ -1,0 +1,154 @@
+"""What each CPU lever buys one stage: time per micro-batch, split into linear layers,
+attention, the LM head and the rest (host work: layout, embedding, norms, activations,
+sampling), side by side in one run.
+
+One worker per lever set holds a whole GPT-2-small-shaped model (random weights, one
+stage, fp32 unless the set says otherwise), its KV cache filled with random keys; the
+sets take turns on the same micro-batches, `--repeats` rounds, and the median of each is
+printed. The micro-batches are the two the cpu/gpt2_pp2 workload is made of:
+  decode   --decodes decodes, each attending to --context keys
+  hybrid   a chunk of --chunk - --decodes prompt tokens (at position --context) and the
+           same decodes, in one micro-batch
+
+    python benchmarks/stage_levers.py [--threads 1] [--repeats 5] [--out runs/stage_levers]
+
+The sets switch `runtime.prepack` (oneDNN-packed linear weights) and `runtime.kv_layout`
+(heads-major KV cache) one at a time, then both, then both in bfloat16 (an option on CPUs
+with AVX-512 bf16; fp32 stays the default).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+from pp_runtime.config import Config
+from pp_runtime.model import attention, transformer
+from pp_runtime.model.cpu_kernels import PackedLinear
+from pp_runtime.worker import StageWorker
+
+LEVERS = {  # name -> config overrides
+    "baseline": {"prepack": False, "kv_layout": "tokens"},
+    "+prepack": {"prepack": True, "kv_layout": "tokens"},
+    "+kv heads": {"prepack": False, "kv_layout": "heads"},
+    "both": {"prepack": True, "kv_layout": "heads"},
+    "both bf16": {"prepack": True, "kv_layout": "heads", "dtype": "bfloat16"},
+}
+PARTS = ("linear", "attention", "lm_head", "other")
+
+
+class Split:
+    """Seconds per part of one `execute`, by wrapping the forwards of the parts."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.depth = 0  # the LM head is a linear layer: count it once, as lm_head
+
+    def wrap(self, part: str, fn):
+        def timed(*args, **kwargs):
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - t
+                self.depth -= 1
+        return timed
+
+
+CURRENT: list[Split] = []  # the split of the worker executing now
+
+
+def _attention(*args, **kwargs):
+    """`hybrid_attention` as the model calls it (a module-level function), timed."""
+    return CURRENT[-1].wrap("attention", attention.hybrid_attention)(*args, **kwargs)
+
+
+def instrument(worker: StageWorker, split: Split) -> None:
+    transformer.hybrid_attention = _attention
+    for m in worker.model.modules():
+        if isinstance(m, (nn.Linear, PackedLinear)) and m is not getattr(worker.model, "lm_head", None):
+            m.forward = split.wrap("linear", m.forward)
+    worker.model.logits = split.wrap("lm_head", worker.model.logits)
+
+
+def batches(args) -> dict[str, MicroBatch]:
+    greedy = Sampling(0.0, 1.0, 0)
+    decodes = tuple(SeqChunk(i, i, args.context - 1, (7,), greedy, is_decode=True)
+                    for i in range(args.decodes))
+    chunk = SeqChunk(args.decodes, args.decodes, args.context,
+                     tuple(range(args.chunk - args.decodes)), None)
+    return {"decode": MicroBatch(0, decodes), "hybrid": MicroBatch(1, (chunk, *decodes))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--decodes", type=int, default=8)
+    ap.add_argument("--context", type=int, default=600, help="KV length of the decodes")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
+    ap.add_argument("--out", default="runs/stage_levers")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    base = Config().with_overrides(kv_slots=args.decodes + 1, max_seq_len=1024)
+    workers, splits = {}, {}
+    for name in args.levers:
+        if name.endswith("bf16") and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            print(f"{name}: skipped, this CPU has no AVX-512 bf16")
+            continue
+        w = StageWorker(base.with_overrides(**LEVERS[name]), 0, torch.device("cpu"))
+        for k, v in zip(w.cache.k, w.cache.v):  # every slot holds a long context
+            k.normal_()
+            v.normal_()
+        workers[name], splits[name] = w, Split()
+        instrument(w, splits[name])
+    mbs = batches(args)
+    times = {(n, k): defaultdict(list) for n in workers for k in mbs}
+    for _ in range(args.repeats + 1):  # the first round warms up
+        for kind, mb in mbs.items():
+            for name, w in workers.items():
+                split = splits[name]
+                split.seconds.clear()
+                CURRENT[:] = [split]
+                t = time.perf_counter()
+                w.execute(mb)
+                total = time.perf_counter() - t
+                parts = dict(split.seconds)
+                parts["other"] = total - sum(parts.values())
+                for part, s in (*parts.items(), ("total", total)):
+                    times[name, kind][part].append(s)
+    rows = []
+    print(f"one stage = GPT-2 small (12 layers + LM head), {args.threads} thread(s); median of "
+          f"{args.repeats}; ms per micro-batch")
+    print(f"{'micro-batch':<34} {'levers':<10} {'total':>8} {'linear':>8} {'attention':>9} "
+          f"{'lm_head':>8} {'other':>7} {'speed-up':>8}")
+    for kind, mb in mbs.items():
+        label = (f"decode: {args.decodes} x {args.context} keys" if kind == "decode" else
+                 f"hybrid: chunk {args.chunk - args.decodes} + {args.decodes} decodes")
+        first = None
+        for name in workers:
+            med = {p: statistics.median(v[1:]) * 1e3 for p, v in times[name, kind].items()}
+            first = first or med["total"]
+            rows.append({"micro_batch": kind, "levers": name, **LEVERS[name], **med})
+            print(f"{label:<34} {name:<10} {med['total']:8.2f} {med.get('linear', 0):8.2f} "
+                  f"{med.get('attention', 0):9.2f} {med.get('lm_head', 0):8.2f} "
+                  f"{med['other']:7.2f} {first / med['total']:7.2f}x")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stage_levers.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    print(f"wrote {out / 'stage_levers.json'}")
+
+
+if __name__ == "__main__":
+    main()

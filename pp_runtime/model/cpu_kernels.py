@@ -1,0 +1,89 @@
+"""CPU fast paths for a stage's dense layers (docs/performance.md).
+
+`prepack_linears` swaps every `nn.Linear` of a loaded model for a `PackedLinear`: the
+weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
+what inductor's freezing pass does for a compiled model on a CPU), so each matmul streams
+it instead of re-blocking it per call. On one core of this machine's AVX-512 EPYC it runs a
+GPT-2 layer's matmuls 1.2x (256 rows) to 1.7x (8 rows, a decode micro-batch) faster, and
+the 50257-row LM head 2.3x faster at 8 rows. Results differ from `F.linear` (MKL) by fp32
+rounding (~1e-6 relative); greedy tokens still equal transformers' in the test suite.
+
+Only plain `nn.Linear`s are packed (tp = 1 stages and the profiler's `LocalShard`):
+Megatron-core's parallel layers (tp > 1) keep their own matmuls. A packed layer has no
+dense weight any more, so packing comes after the weights are loaded and checked.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+PACK_ROWS_HINT = 64  # oneDNN's batch-size hint; one packing serves every row count
+
+
+@functools.cache
+def can_prepack(dtype: torch.dtype) -> bool:
+    """Whether this torch and CPU run oneDNN linears in `dtype` (bf16 needs AVX-512 bf16)."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:  # a tiny layer, checked against the plain one
+        w, x = torch.randn(8, 16, dtype=dtype), torch.randn(3, 16, dtype=dtype)
+        got = PackedLinear.from_linear(_linear_of(w))(x)
+        return torch.allclose(got.float(), (x @ w.t()).float(), atol=1e-2, rtol=1e-2)
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _linear_of(w: torch.Tensor) -> nn.Linear:
+    layer = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+    layer.weight = nn.Parameter(w, requires_grad=False)
+    return layer
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T + b on a oneDNN-blocked W. `weight` is the packed tensor (its shape is
+    nn.Linear's [out_features, in_features]); x: [..., in_features]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias  # plain attributes: nothing to load or train
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, layer: nn.Linear) -> "PackedLinear":
+        w = layer.weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS_HINT)
+        bias = None if layer.bias is None else layer.bias.detach().contiguous()
+        return cls(packed, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every CPU `nn.Linear` of `model` (in a dtype `can_prepack` takes) by its
+    `PackedLinear`, in place; returns how many were packed. Each dense weight is freed as
+    its packed copy is made, except one shared with another module (a tied LM head is
+    packed as a copy: the embedding keeps the dense one)."""
+    # (parent, name) only: holding the children would keep every dense weight alive
+    sites = [(parent, name) for parent in model.modules()
+             for name, child in parent.named_children() if type(child) is nn.Linear]
+    count = 0
+    for parent, name in sites:
+        w = getattr(parent, name).weight
+        if w.device.type == "cpu" and not w.is_meta and can_prepack(w.dtype):
+            setattr(parent, name, PackedLinear.from_linear(getattr(parent, name)))
+            count += 1
+        del w  # the dense weight goes with its layer: one layer's packed copy at most extra
+    return count
