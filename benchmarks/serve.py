@@ -247,9 +247,9 @@ def main() -> None:
 
 
 def _parsed(sets: list[str]) -> dict:
-    from pp_runtime.cli import _parse_overrides
+    from pp_runtime.cli import parse_overrides
 
-    return _parse_overrides(sets)
+    return parse_overrides(sets)
 
 
 if __name__ == "__main__":

@@ -56,10 +56,10 @@ def add_serve_parser(bench_sub) -> None:
 
 
 def _config(args):
-    from pp_runtime.cli import _parse_overrides
+    from pp_runtime.cli import parse_overrides
     from pp_runtime.config import load_config
 
-    overrides = _parse_overrides(args.set)
+    overrides = parse_overrides(args.set)
     for key, value in (("workload.num_requests", args.requests), ("workload.seed", args.seed),
                        ("workload.qps", args.qps)):
         if value is not None:

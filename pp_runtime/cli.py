@@ -36,7 +36,7 @@ from pp_runtime.cli_run import (RUN_DEFAULT_CONFIG, describe_microbatch, kv_cach
                                 with_checkpoint_model)
 
 
-def _parse_overrides(pairs: list[str]) -> dict:
+def parse_overrides(pairs: list[str]) -> dict:
     out = {}
     for pair in pairs:
         if "=" not in pair:
@@ -52,7 +52,7 @@ def _parse_overrides(pairs: list[str]) -> dict:
 
 
 def _config(args) -> Config:
-    overrides = _parse_overrides(args.set)
+    overrides = parse_overrides(args.set)
     if args.config:
         return load_config(args.config, **overrides)
     return Config().with_overrides(**overrides) if overrides else Config()
@@ -66,7 +66,7 @@ def cmd_run(args) -> int:
     if args.workload:
         return _run_config_workload(args)
     t0 = time.perf_counter()
-    overrides = _parse_overrides(args.set)
+    overrides = parse_overrides(args.set)
     if args.planner:
         overrides["planner"] = args.planner
     base = run_base_config(args)
@@ -192,7 +192,7 @@ def cmd_memory(args) -> int:
 
 
 def config_from_args(config: str | None, args, planner: str | None = None) -> Config:
-    overrides = _parse_overrides(args.set)
+    overrides = parse_overrides(args.set)
     if planner or getattr(args, "planner", None):
         overrides["planner"] = planner or args.planner
     if args.requests is not None:
@@ -308,7 +308,7 @@ def cmd_profile(args) -> int:
 def cmd_serve(args) -> int:
     from pp_runtime.serve.server import serve  # fastapi and uvicorn: only for this command
 
-    overrides = _parse_overrides(args.set)
+    overrides = parse_overrides(args.set)
     base = run_base_config(args)
     cfg = base.with_overrides(**overrides) if overrides else base.validate()
     if args.max_waiting < 0:
