@@ -41,7 +41,8 @@ class StageWorker:
         self.lo, self.hi = cfg.stage_layers(stage)  # parallel.layer_split, resolved
         dtype = torch_dtype(m.dtype_for(device.type))  # "auto": the checkpoint's on a GPU
         check_stage_fits(cfg, stage, self.tp_rank, dtype.itemsize, device)  # before allocating
-        par = (Unsharded() if groups is None
+        # tp = 1 needs no collectives: plain torch layers (which `prepack_linears` packs)
+        par = (Unsharded() if groups is None or groups.tp == 1
                else TensorParallel(groups.tp_group, groups.tp, groups.tp_rank, dtype))
         with torch.device("meta"):  # shapes only; each tensor is allocated once, below
             model = StageModel(m, self.lo, self.hi, par)
