@@ -12,8 +12,9 @@ printed. The micro-batches are the two the cpu/gpt2_pp2 workload is made of:
 
     python benchmarks/stage_levers.py [--threads 1] [--repeats 5] [--out runs/stage_levers]
 
-The sets switch `runtime.prepack` (oneDNN-packed linear weights) and `runtime.kv_layout`
-(heads-major KV cache) one at a time, then both, then both in bfloat16 (an option on CPUs
+The sets switch `runtime.prepack` (oneDNN-packed linear weights), `runtime.kv_layout`
+(heads-major KV cache) and `runtime.cpu_decode_kernel` (every decode in one C++ call per
+layer) on one at a time, then all three, then all three in bfloat16 (an option on CPUs
 with AVX-512 bf16; fp32 stays the default).
 """
 from __future__ import annotations
@@ -35,11 +36,13 @@ from pp_runtime.model.cpu_kernels import PackedLinear
 from pp_runtime.worker import StageWorker
 
 LEVERS = {  # name -> config overrides
-    "baseline": {"prepack": False, "kv_layout": "tokens"},
-    "+prepack": {"prepack": True, "kv_layout": "tokens"},
-    "+kv heads": {"prepack": False, "kv_layout": "heads"},
-    "both": {"prepack": True, "kv_layout": "heads"},
-    "both bf16": {"prepack": True, "kv_layout": "heads", "dtype": "bfloat16"},
+    "baseline": {"prepack": False, "kv_layout": "tokens", "cpu_decode_kernel": False},
+    "+prepack": {"prepack": True, "kv_layout": "tokens", "cpu_decode_kernel": False},
+    "+kv heads": {"prepack": False, "kv_layout": "heads", "cpu_decode_kernel": False},
+    "+decode kernel": {"prepack": False, "kv_layout": "tokens", "cpu_decode_kernel": True},
+    "all": {"prepack": True, "kv_layout": "heads", "cpu_decode_kernel": True},
+    "all bf16": {"prepack": True, "kv_layout": "heads", "cpu_decode_kernel": True,
+                 "dtype": "bfloat16"},
 }
 PARTS = ("linear", "attention", "lm_head", "other")
 
@@ -104,7 +107,7 @@ def main() -> None:
     base = Config().with_overrides(kv_slots=args.decodes + 1, max_seq_len=1024)
     workers, splits = {}, {}
     for name in args.levers:
-        if name.endswith("bf16") and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if "bf16" in name and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             print(f"{name}: skipped, this CPU has no AVX-512 bf16")
             continue
         w = StageWorker(base.with_overrides(**LEVERS[name]), 0, torch.device("cpu"))
@@ -131,7 +134,7 @@ def main() -> None:
     rows = []
     print(f"one stage = GPT-2 small (12 layers + LM head), {args.threads} thread(s); median of "
           f"{args.repeats}; ms per micro-batch")
-    print(f"{'micro-batch':<34} {'levers':<10} {'total':>8} {'linear':>8} {'attention':>9} "
+    print(f"{'micro-batch':<34} {'levers':<14} {'total':>8} {'linear':>8} {'attention':>9} "
           f"{'lm_head':>8} {'other':>7} {'speed-up':>8}")
     for kind, mb in mbs.items():
         label = (f"decode: {args.decodes} x {args.context} keys" if kind == "decode" else
@@ -141,7 +144,7 @@ def main() -> None:
             med = {p: statistics.median(v[1:]) * 1e3 for p, v in times[name, kind].items()}
             first = first or med["total"]
             rows.append({"micro_batch": kind, "levers": name, **LEVERS[name], **med})
-            print(f"{label:<34} {name:<10} {med['total']:8.2f} {med.get('linear', 0):8.2f} "
+            print(f"{label:<34} {name:<14} {med['total']:8.2f} {med.get('linear', 0):8.2f} "
                   f"{med.get('attention', 0):9.2f} {med.get('lm_head', 0):8.2f} "
                   f"{med['other']:7.2f} {first / med['total']:7.2f}x")
     out = Path(args.out)

@@ -179,6 +179,9 @@ class RuntimeConfig:
     # CPU fast paths (docs/performance.md); neither changes anything on CUDA
     prepack: bool = True  # linear layers on prepacked oneDNN weights (CPU, float32/bfloat16,
     #                       tp = 1 layers; results differ from plain torch by fp32 rounding)
+    cpu_decode_kernel: bool = True  # decode attention in one C++ call per layer (built on
+    #                                 first use, ~25 s, cached; without a compiler: one SDPA
+    #                                 call per decode, as with false)
     kv_layout: str = "auto"  # KV cache order: "heads" ([slot][head][position], each head's
     #                          keys contiguous: decode attention streams them), "tokens"
     #                          ([slot][position][head], the flattened rows FlashAttention's

@@ -41,7 +41,7 @@ from pp_runtime.config import Config
 from pp_runtime.device import resolve_device, torch_dtype
 from pp_runtime.errors import ConfigError
 from pp_runtime.model.attention import BatchLayout, decode_attention, prefill_attention, rope
-from pp_runtime.model.cpu_kernels import PackedLinear, can_prepack, prepack_linears
+from pp_runtime.model.cpu_kernels import PackedLinear, can_prepack, decode_extension, prepack_linears
 from pp_runtime.model.kv_cache import KVCache, heads_major
 from pp_runtime.model.transformer import DecoderLayer, StageModel
 from pp_runtime.parallel.layers import LocalShard
@@ -251,13 +251,14 @@ def _prefill_op(layer: DecoderLayer, cache: KVCache, chunk: int, cached: int) ->
     return lambda: prefill_attention(q, *kv(), span)
 
 
-def _decode_op(layer: DecoderLayer, cache: KVCache, batch: int, cached: int) -> Callable:
-    """The runtime's decode path, picked as `hybrid_attention` does, for `batch` decodes
-    with `cached` tokens already in the cache each."""
+def _decode_op(layer: DecoderLayer, cache: KVCache, batch: int, cached: int,
+               cpu_decode: bool = False) -> Callable:
+    """The runtime's decode path, picked as `hybrid_attention` does (`cpu_decode`: the
+    worker's CPU kernel), for `batch` decodes with `cached` tokens already in the cache each."""
     w = layer.qkv.weight
     mb = MicroBatch(0, tuple(SeqChunk(i, i, cached, (0,), None, is_decode=True)
                              for i in range(batch)))
-    lay = BatchLayout.build(mb, w.device)
+    lay = BatchLayout.build(mb, w.device, cpu_decode)
     q = torch.randn(batch, layer.heads, layer.head_dim, dtype=w.dtype,
                     device=w.device)  # [b, heads / tp, head_dim]
     kv = itertools.cycle([cache.layer(i) for i in range(len(cache.k))]).__next__
@@ -280,12 +281,15 @@ def _filled_cache(layer: DecoderLayer, slots: int, seq_len: int, layers: int,
 def measure_attention(cfg: Config, layer: DecoderLayer, grid: ProfileGrid, effort: Effort,
                       bar: tqdm) -> list[dict]:
     m, device, rows = cfg.model, layer.qkv.weight.device, []
+    cpu_decode = (device.type == "cpu" and cfg.runtime.cpu_decode_kernel
+                  and decode_extension() is not None)  # as the worker decides
     for is_prefill, points in ((True, grid.prefills), (False, grid.decodes)):
         slots = 1 if is_prefill else max((b for b, _ in points), default=1)
         cache = _filled_cache(layer, slots, cfg.seq_len, cold_layers(cfg),
                               heads_major(cfg, device))
         for a, cached in points:  # a: the chunk (prefill) or the number of decodes
-            op = (_prefill_op if is_prefill else _decode_op)(layer, cache, a, cached)
+            op = (_prefill_op(layer, cache, a, cached) if is_prefill else
+                  _decode_op(layer, cache, a, cached, cpu_decode))
             ms = median_ms(op, device, effort)
             rows.append({"n_embd": m.hidden_size, "n_q_head": m.num_heads,
                          "n_kv_head": m.kv_heads, "num_tensor_parallel_workers": cfg.parallel.tp,

@@ -12,7 +12,9 @@ on CUDA), never a copy.
   first chunk is plain causal; a later one uses the lower-right causal bias.
 - A decode (one token) reads exactly its first kv_len keys: nothing padded, nothing gathered.
   On CUDA (fp16/bf16) one FlashAttention-2 varlen call per layer serves every decode,
-  each slot a sequence of the flattened cache; elsewhere one SDPA call per decode.
+  each slot a sequence of the flattened cache; on a CPU one call of our C++ kernel per layer
+  (`cpu_kernels.decode_attention_cpu`, when the worker has it); elsewhere one SDPA call
+  per decode.
 
 `attention_paths()` counts the calls per path, so a check can see which kernels ran.
 """
@@ -26,13 +28,14 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from pp_runtime.batch import MicroBatch
+from pp_runtime.model.cpu_kernels import decode_attention_cpu
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what FlashAttention's CUDA kernels take
 
 # calls per path since import: prefill one per span and layer, decode_views one per decode
-# and layer, decode_varlen one per layer; a dict increment, cheap on the hot path
+# and layer, decode_varlen and decode_cpu one per layer; a dict increment, cheap on the hot path
 _path_calls = {"prefill_causal": 0, "prefill_lower_right": 0, "decode_views": 0,
-               "decode_varlen": 0}
+               "decode_varlen": 0, "decode_cpu": 0}
 
 
 def attention_paths() -> dict[str, int]:
@@ -63,6 +66,7 @@ class BatchLayout:
     sample_rows: torch.Tensor  # [num_sampling] last row of each sequence that samples
     decode_slot_list: list[int]  # the slots as plain ints (per-decode views)
     decode_lens: list[int]  # decode_seqlens as plain ints
+    cpu_decode: bool = False  # decodes through the CPU kernel (the worker has it built)
     _rope: dict = field(default_factory=dict)  # (theta, head_dim, dtype) -> (cos, sin)
 
     def rope_tables(self, theta: float, head_dim: int, dtype: torch.dtype):
@@ -79,7 +83,7 @@ class BatchLayout:
         return self._rope[key]
 
     @classmethod
-    def build(cls, mb: MicroBatch, device: torch.device) -> "BatchLayout":
+    def build(cls, mb: MicroBatch, device: torch.device, cpu_decode: bool = False) -> "BatchLayout":
         positions, slots, prefills, sample_rows, decodes = [], [], [], [], []
         row = 0
         for s in mb.seqs:
@@ -101,7 +105,8 @@ class BatchLayout:
         as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
         return cls(as_long(positions), as_long(slots), prefills,
                    as_long([r for _, r, _ in decodes]), as_int(dec_lens), as_int(cu_slots),
-                   as_int(range(len(decodes) + 1)), as_long(sample_rows), dec_slots, dec_lens)
+                   as_int(range(len(decodes) + 1)), as_long(sample_rows), dec_slots, dec_lens,
+                   cpu_decode and device.type == "cpu")
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -147,10 +152,13 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
                                                    False, False, seqused_k=seqused_k)[0]
 
 
-def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, layout: BatchLayout) -> str:
     """The decode path: "varlen" (one FlashAttention-2 call) for CUDA fp16/bf16, a head_dim
     it takes (a multiple of 8 up to 256) and a cache in "tokens" order (it reads the cache
-    as flattened rows; kv_cache.py), else "views"."""
+    as flattened rows; kv_cache.py); "cpu" (one call of our C++ kernel) where the layout
+    says the worker has it; else "views"."""
+    if layout.cpu_decode and q.dtype in (torch.float32, torch.bfloat16):
+        return "cpu"
     head_dim = q.shape[-1]
     if (q.is_cuda and q.dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
             and k_cache.is_contiguous() and _torch_has_flash_varlen()):
@@ -168,7 +176,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     "varlen": the cache flattened to [slots * seq_len, kv_heads, head_dim] is a varlen key
     batch in which decode b starts at row slot_b * seq_len and uses its kv_len rows; the
     slots ascend, so the offsets do too."""
-    if decode_kernel(q, k_cache) == "varlen":
+    kernel = decode_kernel(q, k_cache, layout)
+    if kernel == "cpu":
+        _path_calls["decode_cpu"] += 1
+        return decode_attention_cpu(q, k_cache, v_cache, layout.decode_cu_slots[:-1],
+                                    layout.decode_seqlens)
+    if kernel == "varlen":
         _path_calls["decode_varlen"] += 1
         seq_len, kv_heads, head_dim = k_cache.shape[1:]
         cu_k = layout.decode_cu_slots * seq_len  # [D + 1] int32 first row of each slot

@@ -1,4 +1,4 @@
-"""CPU fast paths for a stage's dense layers (docs/performance.md).
+"""CPU fast paths: prepacked linear layers and a decode-attention kernel (docs/performance.md).
 
 `prepack_linears` swaps every `nn.Linear` of a loaded model for a `PackedLinear`: the
 weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
@@ -15,6 +15,8 @@ dense weight any more, so packing comes after the weights are loaded and checked
 from __future__ import annotations
 
 import functools
+import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -87,3 +89,42 @@ def prepack_linears(model: nn.Module) -> int:
             count += 1
         del w  # the dense weight goes with its layer: one layer's packed copy at most extra
     return count
+
+
+# ---- decode attention: one C++ call per layer for every decode (csrc/decode_attention.cpp)
+_SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]  # torch's intra-op threads are OpenMP's
+
+
+@functools.cache
+def decode_extension():
+    """The compiled decode-attention kernel, or None where it cannot be built (no C++
+    compiler or ninja; the reason is warned once). Built on first use into torch's
+    extension cache (~/.cache/torch_extensions; TORCH_EXTENSIONS_DIR moves it), about 25 s
+    on this machine's two cores, then loaded in well under a second. The name carries a hash
+    of the source, the flags and this CPU's model, so an edit or another node's CPU (with
+    `-march=native`) gets its own build and a shared home directory is safe."""
+    import hashlib
+    import platform
+
+    from torch.utils import cpp_extension
+
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else platform.processor()
+    model = next((line for line in cpu.splitlines() if line.startswith(("model name", "flags"))), cpu)
+    key = hashlib.sha1(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + model.encode()).hexdigest()[:10]
+    try:
+        return cpp_extension.load(f"pp_runtime_decode_{key}", [str(_SOURCE)], extra_cflags=_FLAGS,
+                                  extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: the SDPA path runs
+        warnings.warn(f"pp_runtime: the CPU decode-attention kernel could not be built "
+                      f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                      "decodes use one SDPA call each (runtime.cpu_decode_kernel)", stacklevel=2)
+        return None
+
+
+def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Every decode in one call: q [D, heads, head_dim]; caches [slots, seq_len, kv_heads,
+    head_dim] (either layout); slots, lens [D] int32. Returns [D, heads, head_dim]."""
+    return decode_extension().decode_attention(q, k_cache, v_cache, slots, lens,
+                                               q.shape[-1] ** -0.5)

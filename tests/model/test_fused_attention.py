@@ -25,9 +25,9 @@ LAYERS = 3  # of the conftest checkpoints
 FLASH_ONLY = SDPBackend.FLASH_ATTENTION
 
 
-def make_worker(path, device="cpu", dtype="float32", kv_layout="auto") -> StageWorker:
+def make_worker(path, device="cpu", dtype="float32", **runtime) -> StageWorker:
     cfg = Config(model=model_config_from_hf(read_hf_config(path))).with_overrides(
-        kv_slots=8, dtype=dtype, kv_layout=kv_layout)
+        kv_slots=8, dtype=dtype, **runtime)
     return StageWorker(cfg, 0, torch.device(device), checkpoint=path)
 
 
@@ -107,14 +107,17 @@ def test_chunked_prefill_on_flash_equals_transformers(hf_checkpoint, chunk):
                                    "prefill_lower_right": LAYERS * later_chunks}
 
 
-def test_hybrid_batch_on_flash_equals_transformers(hf_checkpoint):
+@pytest.mark.parametrize("kernel", [True, False], ids=["decode_cpu", "decode_views"])
+def test_hybrid_batch_on_flash_equals_transformers(hf_checkpoint, kernel):
     """A micro-batch of 3 decodes and a later chunk of another prompt: every row equals the
-    logits transformers gives its own prompt."""
+    logits transformers gives its own prompt, with the decodes in one C++ call per layer or
+    one SDPA call each."""
     family, model, path = hf_checkpoint
     p = prompts(model.config.vocab_size)
     with sdpa_kernel(FLASH_ONLY):
-        logits, calls = hybrid_run(make_worker(path), p)
-    assert calls == {"prefill_lower_right": LAYERS, "decode_views": 3 * LAYERS}
+        logits, calls = hybrid_run(make_worker(path, cpu_decode_kernel=kernel), p)
+    decodes = {"decode_cpu": LAYERS} if kernel else {"decode_views": 3 * LAYERS}
+    assert calls == {"prefill_lower_right": LAYERS, **decodes}
     mixed = logits[16:]
     for i, s in enumerate((1, 2, 3)):
         torch.testing.assert_close(mixed[i], hf_logits(model, p[s])[-1], atol=5e-5, rtol=1e-4)
@@ -146,7 +149,8 @@ def test_varlen_decode_call_equals_views(hf_checkpoint, monkeypatch):
     (and a chunk) give the logits of the per-decode views path."""
     family, model, path = hf_checkpoint
     p = prompts(model.config.vocab_size)
-    worker = make_worker(path, kv_layout="tokens")  # the order the varlen kernel reads
+    worker = make_worker(path, kv_layout="tokens",  # the order the varlen kernel reads
+                         cpu_decode_kernel=False)
     slot_of = {1: 6, 2: 1, 3: 4}  # request -> slot: the batch lists the slots as 6, 1, 4
     for s, slot in slot_of.items():
         run(worker, [SeqChunk(s, slot, 0, tuple(p[s][:-1]), None)])
@@ -154,7 +158,7 @@ def test_varlen_decode_call_equals_views(hf_checkpoint, monkeypatch):
             for s, slot in slot_of.items()] + [SeqChunk(0, 5, 0, tuple(p[0][:9]), None)]
     views = run(worker, seqs)
     monkeypatch.setattr(attention, "flash_varlen", reference_flash_varlen)
-    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache: "varlen")
+    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout: "varlen")
     before = attention_paths()
     varlen = run(worker, seqs)
     assert calls_since(before) == {"prefill_causal": LAYERS, "decode_varlen": LAYERS}
@@ -196,7 +200,7 @@ def test_cuda_hybrid_batch_runs_on_flash(hf_checkpoint, dtype, monkeypatch):
     with sdpa_kernel(FLASH_ONLY):
         fused, calls = hybrid_run(make_worker(path, "cuda", dtype), p)
     assert calls == {"prefill_lower_right": LAYERS, "decode_varlen": LAYERS}
-    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache: "views")
+    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout: "views")
     with sdpa_kernel(SDPBackend.MATH):
         unfused, _ = hybrid_run(make_worker(path, "cuda", dtype), p)
     error = lambda x: float((x - ref).abs().max() / ref.abs().max())  # noqa: E731

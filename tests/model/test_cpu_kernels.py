@@ -1,0 +1,86 @@
+"""The CPU fast paths (model/cpu_kernels.py) against plain torch: the decode-attention C++
+kernel against one SDPA call per decode, and prepacked linear layers against F.linear."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+from pp_runtime.model.attention import BatchLayout, attention_paths, decode_attention, decode_attention_views
+from pp_runtime.model.cpu_kernels import PackedLinear, decode_extension, prepack_linears
+from pp_runtime.model.kv_cache import KVCache
+
+needs_kernel = pytest.mark.skipif(decode_extension() is None, reason="no C++ compiler here")
+
+
+def decode_batch(slots_lens: list[tuple[int, int]]) -> MicroBatch:
+    """Decodes in the order given: (slot, kv_len) each."""
+    greedy = Sampling(0.0, 1.0, 0)
+    return MicroBatch(0, tuple(SeqChunk(i, slot, n - 1, (0,), greedy, is_decode=True)
+                               for i, (slot, n) in enumerate(slots_lens)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads_major", [True, False], ids=["heads", "tokens"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_decode_kernel_equals_sdpa_per_decode(heads_major, dtype, kv_heads):
+    """Slots listed out of order, lengths from 1 to the whole cache, GQA and MQA, either
+    cache order: the one call gives the outputs of one SDPA call per decode."""
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(1, 6, 64, kv_heads, 32, dtype, torch.device("cpu"), heads_major)
+    for t in (cache.k[0], cache.v[0]):
+        t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    layout = BatchLayout.build(decode_batch([(5, 64), (0, 1), (3, 17), (1, 40)]),
+                               torch.device("cpu"), cpu_decode=True)
+    q = torch.randn(4, 4, 32, generator=g).to(dtype)  # [D, heads, head_dim]
+    before = attention_paths()["decode_cpu"]
+    got = decode_attention(q, cache.k[0], cache.v[0], layout)
+    assert attention_paths()["decode_cpu"] == before + 1
+    want = decode_attention_views(q, cache.k[0], cache.v[0], layout.decode_slot_list,
+                                  layout.decode_lens)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@needs_kernel
+def test_decode_kernel_reads_only_each_decodes_keys():
+    """NaN everywhere but the keys each decode attends to: a read past them shows."""
+    cache = KVCache(1, 3, 16, 2, 8, torch.float32, torch.device("cpu"), True)
+    k, v = cache.k[0], cache.v[0]
+    k.fill_(float("nan"))
+    v.fill_(float("nan"))
+    for slot, n in ((2, 5), (0, 16)):
+        k[slot, :n] = torch.randn(n, 2, 8)
+        v[slot, :n] = torch.randn(n, 2, 8)
+    layout = BatchLayout.build(decode_batch([(2, 5), (0, 16)]), torch.device("cpu"), cpu_decode=True)
+    assert torch.isfinite(decode_attention(torch.randn(2, 2, 8), k, v, layout)).all()
+
+
+@needs_kernel
+def test_decode_kernel_refuses_bad_input():
+    q, k = torch.randn(1, 2, 8), torch.zeros(2, 4, 2, 8)
+    ext = decode_extension()
+    with pytest.raises(RuntimeError, match="out of the cache"):
+        ext.decode_attention(q, k, k, torch.tensor([2], dtype=torch.int32),
+                             torch.tensor([1], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        ext.decode_attention(q, k, k, torch.tensor([0]), torch.tensor([1]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_linear_equals_f_linear(dtype):
+    """Every row count from 1 to 300 on one packing; packed layers drop the dense weight."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False)).to(dtype)
+    dense = [(m.weight.clone(), None if m.bias is None else m.bias.clone()) for m in model]
+    if prepack_linears(model) == 0:
+        pytest.skip(f"oneDNN does not take {dtype} on this CPU")
+    assert all(isinstance(m, PackedLinear) for m in model)
+    assert not list(model.parameters())  # nothing dense kept
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 64).to(dtype)
+        want = F.linear(F.linear(x, *dense[0]), *dense[1])
+        tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(model(x), want, **tol)
