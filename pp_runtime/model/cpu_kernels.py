@@ -128,3 +128,12 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     head_dim] (either layout); slots, lens [D] int32. Returns [D, heads, head_dim]."""
     return decode_extension().decode_attention(q, k_cache, v_cache, slots, lens,
                                                q.shape[-1] ** -0.5)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights: its parameters plus its `PackedLinear`s' packed weights
+    and biases (which are not parameters). A tied LM head, once packed, counts twice: the
+    packed copy is real memory beside the embedding's dense weight."""
+    packed = [t for m in model.modules() if isinstance(m, PackedLinear)
+              for t in (m.weight, m.bias) if t is not None]
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *packed])

@@ -16,7 +16,7 @@ from pp_runtime.memory import stage_memory, stage_params
 from pp_runtime.model.loader import checkpoint_dtype, model_config_from_hf, read_hf_config
 from pp_runtime.model.transformer import StageModel, materialize
 from pp_runtime.parallel.layers import LocalShard, Unsharded, shard_of
-from pp_runtime.model.cpu_kernels import PackedLinear
+from pp_runtime.model.cpu_kernels import PackedLinear, weight_bytes
 from pp_runtime.worker import StageWorker
 
 CPU = torch.device("cpu")
@@ -126,13 +126,6 @@ def gpt2_small_checkpoint(tmp_path_factory):
     return path
 
 
-def _weight_bytes(model) -> int:
-    """Bytes of a stage's weights: its parameters and its layers' oneDNN-packed weights."""
-    packed = [m.weight for m in model.modules() if isinstance(m, PackedLinear)]
-    packed += [m.bias for m in model.modules() if isinstance(m, PackedLinear) and m.bias is not None]
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *packed])
-
-
 @pytest.mark.parametrize("prepack", [False, True], ids=["dense", "prepacked"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_building_a_stage_from_a_checkpoint_allocates_one_copy(gpt2_small_checkpoint, dtype,
@@ -147,7 +140,7 @@ def test_building_a_stage_from_a_checkpoint_allocates_one_copy(gpt2_small_checkp
     files = {f.stat().st_size for f in path.glob("*.safetensors")}
     peak, worker = _peak_bytes(lambda: StageWorker(cfg, 0, CPU, path), files)
     assert any(isinstance(m, PackedLinear) for m in worker.model.modules()) == prepack
-    weights = _weight_bytes(worker.model)
+    weights = weight_bytes(worker.model)
     fp32 = stage_params(cfg.model, 1, 0, 1) * 4
     assert weights == stage_memory(cfg, 0, 4 if dtype == "float32" else 2).weight_bytes
     print(f"\n{dtype}: peak {peak / 1e6:.1f} MB for {weights / 1e6:.1f} MB of weights + "
@@ -163,7 +156,7 @@ def test_random_init_allocates_one_copy_and_a_bounded_staging_buffer():
     cfg = Config().with_overrides(vocab_size=4096, num_layers=2, dtype="bfloat16",
                                   max_batch_size=1, max_seq_len=16)
     peak, worker = _peak_bytes(lambda: StageWorker(cfg, 0, CPU))
-    weights = _weight_bytes(worker.model)
+    weights = weight_bytes(worker.model)
     print(f"\nrandom bf16: peak {peak / 1e6:.1f} MB for {weights / 1e6:.1f} MB of weights")
     assert peak <= weights + worker.cache.nbytes + 3 * 4 * 2**20  # + float32 staging, 4 MB
 
