@@ -182,3 +182,25 @@ def test_bad_output_and_config_raise_config_error(tmp_path):
         with pytest.raises(ConfigError, match="CUDA is not available"):
             measure_profile(GPT.with_overrides(device="cuda"), tmp_path, quick=True,
                             progress=False)
+
+
+@pytest.mark.parametrize("levers", [True, False], ids=["cpu-levers", "plain"])
+def test_the_profile_times_the_kernels_the_workers_run(tmp_path, monkeypatch, levers):
+    """With the CPU levers on, the profile's matmuls run prepacked and its decodes go through
+    the C++ kernel, as a worker's would (docs/performance.md); with them off, neither."""
+    from pp_runtime.model import cpu_kernels
+    from pp_runtime.model.attention import attention_paths
+
+    if levers and cpu_kernels.decode_extension() is None:
+        pytest.skip("no C++ compiler here")
+    packed_calls = []
+    real = cpu_kernels.PackedLinear.forward
+    monkeypatch.setattr(cpu_kernels.PackedLinear, "forward",
+                        lambda self, x: packed_calls.append(1) or real(self, x))
+    cfg = GPT.with_overrides(max_positions=64, prepack=levers, cpu_decode_kernel=levers)
+    before = attention_paths()
+    measure_profile(cfg, tmp_path, quick=True, progress=False)
+    after = attention_paths()
+    ran = {path: after[path] - before[path] for path in ("decode_cpu", "decode_views")}
+    assert (ran["decode_cpu"] > 0, ran["decode_views"] > 0) == (levers, not levers)
+    assert bool(packed_calls) == levers
