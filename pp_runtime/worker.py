@@ -21,7 +21,7 @@ from pp_runtime.config import Config
 from pp_runtime.device import torch_dtype
 from pp_runtime.memory import check_stage_fits
 from pp_runtime.model.attention import BatchLayout
-from pp_runtime.model.cpu_kernels import decode_extension, prepack_linears
+from pp_runtime.model.cpu_kernels import prepack_linears, use_decode_kernel, use_prepack
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.loader import load_stage_weights
 from pp_runtime.model.transformer import StageModel, materialize
@@ -51,11 +51,9 @@ class StageWorker:
             model.init_random(cfg.runtime.seed)  # draws only this rank's shard
         else:
             load_stage_weights(model, checkpoint)  # reads only this rank's slices
-        if cfg.runtime.prepack and device.type == "cpu":  # after loading: packing drops the dense weights
+        if use_prepack(cfg, device):  # after loading: packing drops the dense weights
             prepack_linears(model)
-        # built (or loaded from the cache) now, not in the first micro-batch
-        self.cpu_decode = (device.type == "cpu" and cfg.runtime.cpu_decode_kernel
-                           and decode_extension() is not None)
+        self.cpu_decode = use_decode_kernel(cfg, device)  # built now, not in the first micro-batch
         self.model = model.eval().requires_grad_(False)
         self.cache = KVCache.for_stage(cfg, self.hi - self.lo, dtype, device)
         self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None

@@ -41,7 +41,8 @@ from pp_runtime.config import Config
 from pp_runtime.device import resolve_device, torch_dtype
 from pp_runtime.errors import ConfigError
 from pp_runtime.model.attention import BatchLayout, decode_attention, prefill_attention, rope
-from pp_runtime.model.cpu_kernels import PackedLinear, can_prepack, decode_extension, prepack_linears
+from pp_runtime.model.cpu_kernels import (PackedLinear, can_prepack, prepack_linears,
+                                          use_decode_kernel, use_prepack)
 from pp_runtime.model.kv_cache import KVCache, heads_major
 from pp_runtime.model.transformer import DecoderLayer, StageModel
 from pp_runtime.parallel.layers import LocalShard
@@ -228,7 +229,7 @@ def measure_mlp(cfg: Config, model: StageModel, grid: ProfileGrid, effort: Effor
         head = LocalShard(cfg.parallel.tp).vocab_head(m.vocab_size, m.hidden_size)
     head = head.to(model.layers[0].qkv.weight.dtype)
     head.weight.normal_(0.0, 0.02)
-    if cfg.runtime.prepack and device.type == "cpu" and can_prepack(head.weight.dtype):
+    if use_prepack(cfg, device) and can_prepack(head.weight.dtype):
         head = PackedLinear.from_linear(head)  # as the worker's LM head
     for n in grid.num_tokens:
         ops = _layer_ops(model, head, n, cfg.seq_len)
@@ -281,8 +282,7 @@ def _filled_cache(layer: DecoderLayer, slots: int, seq_len: int, layers: int,
 def measure_attention(cfg: Config, layer: DecoderLayer, grid: ProfileGrid, effort: Effort,
                       bar: tqdm) -> list[dict]:
     m, device, rows = cfg.model, layer.qkv.weight.device, []
-    cpu_decode = (device.type == "cpu" and cfg.runtime.cpu_decode_kernel
-                  and decode_extension() is not None)  # as the worker decides
+    cpu_decode = use_decode_kernel(cfg, device)  # as the worker decides
     for is_prefill, points in ((True, grid.prefills), (False, grid.decodes)):
         slots = 1 if is_prefill else max((b for b, _ in points), default=1)
         cache = _filled_cache(layer, slots, cfg.seq_len, cold_layers(cfg),
@@ -351,7 +351,7 @@ def measure_profile(cfg: Config, out_dir: str | Path, *, quick: bool = False,
     dtype = cfg.model.dtype_for(device.type)  # "auto": the checkpoint's on a GPU, fp32 on a CPU
     model = _rank_model(cfg, device, cold_layers(cfg)).to(torch_dtype(dtype))
     model.init_random(cfg.runtime.seed)
-    if cfg.runtime.prepack and device.type == "cpu":  # the matmuls the workers will run
+    if use_prepack(cfg, device):  # the matmuls the workers will run
         prepack_linears(model)
     model = model.eval().requires_grad_(False)
     with tqdm(total=grid.size, desc="profile", unit="pt", disable=not progress) as bar, \

@@ -106,7 +106,7 @@ class BatchLayout:
         return cls(as_long(positions), as_long(slots), prefills,
                    as_long([r for _, r, _ in decodes]), as_int(dec_lens), as_int(cu_slots),
                    as_int(range(len(decodes) + 1)), as_long(sample_rows), dec_slots, dec_lens,
-                   cpu_decode and device.type == "cpu")
+                   cpu_decode)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -21,7 +21,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pp_runtime.config import Config
+
 PACK_ROWS_HINT = 64  # oneDNN's batch-size hint; one packing serves every row count
+
+
+def use_prepack(cfg: Config, device: torch.device) -> bool:
+    """Whether a stage (and the profile) of `cfg` on `device` packs its linear layers."""
+    return cfg.runtime.prepack and device.type == "cpu"
+
+
+def use_decode_kernel(cfg: Config, device: torch.device) -> bool:
+    """Whether a stage (and the profile) of `cfg` on `device` runs decodes through the C++
+    kernel: asked for, on a CPU, and built (the first call builds it)."""
+    return cfg.runtime.cpu_decode_kernel and device.type == "cpu" and decode_extension() is not None
 
 
 @functools.cache

@@ -7,7 +7,7 @@ That shape is what every reader indexes; the memory order under it is the stage'
 `runtime.kv_layout`. "tokens": the shape's own order, so the cache flattens to
 [slots * seq_len, kv_heads, head_dim] rows, what FlashAttention's varlen decode reads on
 CUDA. "heads": stored [slots, kv_heads, seq_len, head_dim] and shown permuted, so one
-head's keys of a slot are contiguous and a decode streams them (1.8x faster decode
+head's keys of a slot are contiguous and a decode streams them (1.6x faster decode
 attention on a CPU core than the strided "tokens" order, bit-identical results).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ class KVCache:
 
         self.k = [one() for _ in range(num_layers)]
         self.v = [one() for _ in range(num_layers)]
-        self.num_slots, self.seq_len, self.heads_major = num_slots, seq_len, heads_major
+        self.num_slots, self.seq_len = num_slots, seq_len
 
     @classmethod
     def for_stage(cls, cfg: Config, num_layers: int, dtype: torch.dtype,
