@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -74,11 +73,9 @@ def random_checkpoint(out: Path) -> Path:
 def workload(cfg, n: int | None) -> tuple[list[list[int]], list[int]]:
     """The first n of cfg's requests, exactly as run_workload makes them: prompts of random
     token ids and each request's output length."""
-    from pp_runtime.workload import generate
+    from pp_runtime.llm import workload_requests
 
-    specs = generate(cfg.workload)
-    rng = random.Random(cfg.workload.seed)
-    prompts = [[rng.randrange(cfg.model.vocab_size) for _ in range(s.prompt_len)] for s in specs]
+    specs, prompts, _ = workload_requests(cfg)
     return prompts[:n], [s.output_len for s in specs][:n]
 
 

@@ -143,21 +143,29 @@ def torch_thread_init():
     return init
 
 
-def run_workload(cfg: Config, checkpoint: str | Path | None = None,
-                 on_microbatch: driver.OnMicroBatch | None = None, executor=None) -> RunResult:
-    """cfg's workload on the real runtime (random token ids of the workload's lengths, each
-    request generating exactly its output length): the counterpart of `simulate(cfg)`,
-    with the same report. A failed run still returns its result, with error requests; an
-    interrupted one re-raises with its partial result attached (`exc.result`)."""
+def workload_requests(cfg: Config) -> tuple[list, list[list[int]], list[SamplingParams]]:
+    """cfg's workload as requests: its specs, random token-id prompts of their lengths
+    (seeded by workload.seed) and greedy params generating exactly each output length."""
     import random
 
-    from pp_runtime.telemetry.recorder import RunRecorder
     from pp_runtime.workload import generate as generate_workload
 
     specs = generate_workload(cfg.workload)
     rng = random.Random(cfg.workload.seed)
     prompts = [[rng.randrange(cfg.model.vocab_size) for _ in range(s.prompt_len)] for s in specs]
     params = [SamplingParams(max_tokens=s.output_len, ignore_eos=True) for s in specs]
+    return specs, prompts, params
+
+
+def run_workload(cfg: Config, checkpoint: str | Path | None = None,
+                 on_microbatch: driver.OnMicroBatch | None = None, executor=None) -> RunResult:
+    """cfg's workload on the real runtime (random token ids of the workload's lengths, each
+    request generating exactly its output length): the counterpart of `simulate(cfg)`,
+    with the same report. A failed run still returns its result, with error requests; an
+    interrupted one re-raises with its partial result attached (`exc.result`)."""
+    from pp_runtime.telemetry.recorder import RunRecorder
+
+    specs, prompts, params = workload_requests(cfg)
     rec = RunRecorder(time.perf_counter)
 
     def record(mb, out):
