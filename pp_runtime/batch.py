@@ -21,7 +21,8 @@ class Sampling:
 @dataclass(frozen=True)
 class SeqChunk:
     request_id: int
-    slot: int  # KV cache slot of the request
+    blocks: list[int]  # the request's KV block table: position p is in blocks[p // block_size]
+    #                    (covers [0, kv_len) at least; shared with the planner, never copied)
     start: int  # position of the first token; tokens [0, start) are already in the KV cache
     token_ids: tuple[int, ...]  # input ids (used by stage 0)
     sampling: Sampling | None  # set when this chunk ends the known tokens: sample the next one
@@ -35,6 +36,12 @@ class SeqChunk:
     def kv_len(self) -> int:
         """KV length after this chunk (what its last token attends to)."""
         return self.start + self.num_tokens
+
+
+def slot_blocks(slot: int, blocks_per_slot: int) -> list[int]:
+    """The block table of whole context number `slot` of a pool cut into equal contexts of
+    `blocks_per_slot` blocks (how tests, benchmarks and the profiler address the cache)."""
+    return list(range(slot * blocks_per_slot, (slot + 1) * blocks_per_slot))
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from pp_runtime.errors import WorkerFailed
 from pp_runtime.memory import memory_plan
 from pp_runtime.driver import ExecutorFailed
 from pp_runtime.request import InvalidRequestError, SamplingParams
-from pp_runtime.cli_run import (RUN_DEFAULT_CONFIG, describe_microbatch, kv_cache_bytes,
+from pp_runtime.cli_run import (RUN_DEFAULT_CONFIG, describe_microbatch, kv_cache_text,
                                 run_base_config, run_prompt_args, what_runs,
                                 with_checkpoint_model)
 
@@ -79,8 +79,8 @@ def cmd_run(args) -> int:
     print(f"model {m.name} ({m.family}, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"{m.num_params() / 1e6:.1f}M params, {m.dtype}) on {llm.executor.describe()}, "
           f"tp={p.tp} pp={p.pp}, planner {cfg.planner.planner}: chunk {cfg.planner.chunk_size}, "
-          f"B={cfg.planner.max_batch_size}; KV cache {cfg.num_slots} slots x {cfg.seq_len} "
-          f"tokens = {kv_cache_bytes(cfg) / 2**20:.0f} MiB; ready in {time.perf_counter() - t0:.1f} s")
+          f"B={cfg.planner.max_batch_size}; {kv_cache_text(cfg)}; "
+          f"ready in {time.perf_counter() - t0:.1f} s")
     seed = args.seed or 0
     rng = random.Random(seed)
     prompts = [[rng.randrange(m.vocab_size) for _ in range(rng.randint(lo, hi))]

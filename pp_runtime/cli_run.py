@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pp_runtime.config import Config, ConfigError, load_config
+from pp_runtime.memory import kv_blocks
 from pp_runtime.request import SamplingParams
 
 
@@ -119,7 +120,11 @@ def run_prompt_args(args, seq_len: int) -> tuple[int, int, int]:
     return n, lo, hi
 
 
-def kv_cache_bytes(cfg: Config) -> int:
-    """K and V of every slot, layer and head, over all workers."""
-    m = cfg.model
-    return 2 * m.num_layers * cfg.num_slots * cfg.seq_len * m.kv_heads * m.head_dim * m.dtype_bytes
+def kv_cache_text(cfg: Config) -> str:
+    """The KV cache in one phrase: blocks, tokens, and bytes over all workers."""
+    m, c = cfg.model, cfg.cache
+    blocks = kv_blocks(cfg)
+    size = 2 * m.num_layers * blocks * c.block_size * m.kv_heads * m.head_dim * m.dtype_bytes
+    kind = "paged" if c.paged else f"{cfg.num_slots} slots of {cfg.seq_len} tokens"
+    return (f"KV cache {blocks} blocks x {c.block_size} tokens ({kind}) = "
+            f"{size / 2**20:.0f} MiB")

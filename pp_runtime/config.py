@@ -133,10 +133,21 @@ def even_split(num_layers: int, pp: int) -> list[int]:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    kv_slots: int | None = None  # requests whose KV fits at once; None = pp * max_batch_size
-    max_seq_len: int | None = None  # KV tokens per slot (L in the paper); None = max_positions
+    kv_slots: int | None = None  # KV memory in whole contexts of max_seq_len tokens (and, with
+    #                              paged: false, the requests admitted at once); None = pp * B
+    max_seq_len: int | None = None  # longest request, prompt + output (L in the paper); None = max_positions
     device_memory_gb: float | None = None  # M_G: memory of one device, for the paper's B formula
     memory_utilization: float = 0.9  # share of device memory given to weights + KV (rest: activations)
+    paged: bool = True  # admit by free KV blocks and grow with the tokens (docs/engine.md);
+    #                     false: every request reserves a whole context at admission (the paper)
+    block_size: int = 16  # token positions per KV block; a power of two
+    num_blocks: int | str | None = None  # KV blocks per stage: None = the memory of kv_slots
+    #                                      contexts; "auto" = what device_memory_gb leaves after
+    #                                      the weights on the fullest stage (memory.kv_blocks)
+    watermark: float = 0.01  # share of blocks admission leaves free for running requests to grow
+    prefix_caching: bool = False  # reuse computed blocks of a shared prefix (serve turns it on)
+    max_running: int | None = None  # requests admitted at once; None = as many as the blocks
+    #                                 hold (paged), kv_slots (paged: false)
 
 
 @dataclass(frozen=True)
@@ -234,7 +245,8 @@ class Config:
 
     @property
     def num_slots(self) -> int:
-        """KV slots per stage: requests that can be admitted at once."""
+        """KV memory in whole contexts of seq_len tokens (cache.kv_slots, else pp * B); with
+        cache.paged: false also the requests admitted at once. Blocks: `memory.kv_blocks`."""
         return self.cache.kv_slots or self.parallel.pp * self.planner.max_batch_size
 
     # ---- pipeline stages -----------------------------------------------------------
@@ -384,6 +396,7 @@ def validate(cfg: Config) -> None:
     _check(c.max_seq_len is None or 1 <= c.max_seq_len <= m.max_positions, "cache.max_seq_len",
            f"{c.max_seq_len} is outside [1, max_positions={m.max_positions}]",
            "leave it unset for max_positions")
+    _check_cache(c, cfg.seq_len)
     _check(0 < c.memory_utilization <= 1, "cache.memory_utilization",
            f"must be in (0, 1], got {c.memory_utilization}", "use e.g. 0.9")
     _check(c.device_memory_gb is None or c.device_memory_gb > 0, "cache.device_memory_gb",
@@ -402,6 +415,28 @@ def validate(cfg: Config) -> None:
            f"unknown layout {rt.kv_layout!r}", "use auto, heads or tokens")
     _check(rt.step_timeout_s > 0 and rt.startup_timeout_s > 0, "runtime.step_timeout_s",
            "timeouts must be > 0", "use e.g. 120 and 300 seconds")
+
+
+def _check_cache(c: CacheConfig, seq_len: int) -> None:
+    bs = c.block_size
+    _check(bs >= 1 and bs & (bs - 1) == 0 and bs <= seq_len, "cache.block_size",
+           f"{bs} is not a power of two in [1, max_seq_len={seq_len}]", "use e.g. 16")
+    n = c.num_blocks
+    _check(n is None or n == "auto" or (isinstance(n, int) and n * bs >= seq_len),
+           "cache.num_blocks", f"{n!r} blocks of {bs} tokens hold less than one request of "
+           f"max_seq_len={seq_len} tokens", f"use at least {-(-seq_len // bs)}, auto (from "
+           "cache.device_memory_gb), or leave it unset for kv_slots contexts")
+    _check(n != "auto" or c.device_memory_gb is not None, "cache.num_blocks",
+           "auto sizes the pool from cache.device_memory_gb, which is not set",
+           "set device_memory_gb or give num_blocks")
+    _check(c.paged or n is None, "cache.num_blocks", "paged: false reserves kv_slots whole "
+           "contexts; num_blocks does not apply", "set kv_slots instead")
+    _check(0 <= c.watermark < 1, "cache.watermark", f"must be in [0, 1), got {c.watermark}",
+           "use e.g. 0.01")
+    _check(c.paged or not c.prefix_caching, "cache.prefix_caching",
+           "needs the paged cache", "set paged: true or prefix_caching: false")
+    _check(c.max_running is None or c.max_running >= 1, "cache.max_running",
+           f"must be >= 1, got {c.max_running}", "leave it unset for what the blocks hold")
 
 
 def _check_layer_split(num_layers: int, p: ParallelConfig) -> None:

@@ -85,35 +85,66 @@ class StageMemory:
 
     stage: int
     weight_bytes: int  # this rank's shard of the stage's parameters
-    kv_bytes_per_slot: int  # K and V of one slot: seq_len tokens, the stage's layers, rank's heads
-    slots: int  # KV slots (cache.kv_slots, or pp * max_batch_size)
+    kv_bytes_per_block: int  # K and V of one block: block_size positions, the stage's layers and rank's heads
+    blocks: int  # KV blocks (`kv_blocks`: the same on every stage)
+    blocks_per_slot: int  # blocks of one whole context (max_seq_len tokens)
+
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        return self.blocks_per_slot * self.kv_bytes_per_block
+
+    @property
+    def slots(self) -> int:
+        """The KV memory in whole contexts."""
+        return self.blocks // self.blocks_per_slot
 
     @property
     def kv_bytes(self) -> int:
-        return self.slots * self.kv_bytes_per_slot
+        return self.blocks * self.kv_bytes_per_block
 
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes
 
+    def blocks_that_fit(self, usable_bytes: float) -> int:
+        return max(0, math.floor((usable_bytes - self.weight_bytes) / self.kv_bytes_per_block))
+
     def slots_that_fit(self, usable_bytes: float) -> int:
-        return max(0, math.floor((usable_bytes - self.weight_bytes) / self.kv_bytes_per_slot))
+        return self.blocks_that_fit(usable_bytes) // self.blocks_per_slot
 
 
 def stage_memory(cfg: Config, stage: int, dtype_bytes: int, tp: int | None = None,
                  pp: int | None = None, slots: int | None = None) -> StageMemory:
-    """Weights and KV of one tp rank of `stage` (tp, pp, slots: the config's unless given;
-    layers: the config's split at its own pp, else the even split of the pp given)."""
-    m = cfg.model
+    """Weights and KV of one tp rank of `stage` (tp, pp: the config's unless given; the KV:
+    `slots` whole contexts if given, else the config's blocks; layers: the config's split
+    at its own pp, else the even split of the pp given)."""
+    m, bs = cfg.model, cfg.cache.block_size
     tp, pp = tp or cfg.parallel.tp, pp or cfg.parallel.pp
     if pp == cfg.parallel.pp:
         lo, hi = cfg.stage_layers(stage)
     else:
         counts = even_split(m.num_layers, pp)
         lo, hi = sum(counts[:stage]), sum(counts[:stage + 1])
-    per_slot = 2 * (hi - lo) * (m.kv_heads // tp) * m.head_dim * cfg.seq_len * dtype_bytes
-    return StageMemory(stage, stage_params(m, tp, lo, hi) * dtype_bytes, per_slot,
-                       slots or cfg.num_slots)
+    per_block = 2 * (hi - lo) * (m.kv_heads // tp) * m.head_dim * bs * dtype_bytes
+    per_slot = -(-cfg.seq_len // bs)
+    blocks = slots * per_slot if slots else kv_blocks(cfg)
+    return StageMemory(stage, stage_params(m, tp, lo, hi) * dtype_bytes, per_block, blocks, per_slot)
+
+
+def kv_blocks(cfg: Config) -> int:
+    """KV blocks per stage, one number for the whole pipeline (the planner's pool and every
+    stage's cache): cache.num_blocks; None (or paged: false) = kv_slots whole contexts;
+    "auto" = what cache.device_memory_gb x memory_utilization leaves beside the weights on
+    the stage with the least room."""
+    c = cfg.cache
+    per_slot = -(-cfg.seq_len // c.block_size)
+    if not c.paged or c.num_blocks is None:
+        return cfg.num_slots * per_slot
+    if c.num_blocks != "auto":
+        return c.num_blocks
+    usable = c.device_memory_gb * GB * c.memory_utilization
+    one = [stage_memory(cfg, s, cfg.model.dtype_bytes, slots=1) for s in range(cfg.parallel.pp)]
+    return min(s.blocks_that_fit(usable) for s in one)
 
 
 def smallest_deployment(cfg: Config, usable_bytes: float,
@@ -147,16 +178,20 @@ def check_fits(cfg: Config, usable_bytes: float, dtype_bytes: int, device: str,
     worst = max(need, key=lambda s: s.total_bytes - usable_bytes)
     if worst.total_bytes <= usable_bytes:
         return
-    pp, L = cfg.parallel.pp, cfg.seq_len  # noqa: N806
+    pp, L, c = cfg.parallel.pp, cfg.seq_len, cfg.cache  # noqa: N806
     slots = min(s.slots_that_fit(usable_bytes) for s in need)
+    blocks = min(s.blocks_that_fit(usable_bytes) for s in need)
     where = f"stage {worst.stage}" + (f" (tp rank {tp_rank})" if tp_rank is not None else "")
     head = (f"{where} needs {_gb(worst.total_bytes)} (weights {_gb(worst.weight_bytes)} + KV "
-            f"{_gb(worst.kv_bytes)} for {worst.slots} slots of {L} tokens), but {device} offers "
-            f"{_gb(usable_bytes)}")
+            f"{_gb(worst.kv_bytes)} for {worst.blocks} blocks of {c.block_size} tokens, "
+            f"{worst.slots} requests of {L}), but {device} offers {_gb(usable_bytes)}")
     fixes, reason = [], ""
-    if slots >= 1 and (cfg.cache.kv_slots or slots >= pp):
-        field = "cache.kv_slots" if cfg.cache.kv_slots else "planner.max_batch_size"
-        best = (f"kv_slots={slots}" if cfg.cache.kv_slots
+    if c.paged and isinstance(c.num_blocks, int) and blocks * c.block_size >= L:
+        field = "cache.num_blocks"
+        fixes.append(f"the most blocks that fit are {blocks}: --set num_blocks={blocks}")
+    elif slots >= 1 and (c.kv_slots or slots >= pp):
+        field = "cache.kv_slots" if c.kv_slots else "planner.max_batch_size"
+        best = (f"kv_slots={slots}" if c.kv_slots
                 else f"max_batch_size={slots // pp} (kv_slots={slots // pp * pp})")
         fixes.append(f"the largest batch that fits is {best}: --set {best.split(' ')[0]}")
     else:

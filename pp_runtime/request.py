@@ -73,26 +73,34 @@ class Request:
     params: SamplingParams
     seed: int  # resolved sampling seed
     arrival_s: float = 0.0
-    slot: int | None = None  # KV cache slot while admitted
+    blocks: list[int] | None = None  # KV block table while admitted (planner/blocks.py)
     num_scheduled: int = 0  # prompt + output tokens put into micro-batches
     num_computed: int = 0  # of those, tokens whose micro-batch came back
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
+    num_preemptions: int = 0  # times its blocks were taken back (it then computes again)
+    num_recomputed: int = 0  # prefill tokens computed again after a preemption
+    num_cached: int = 0  # prefill tokens found in the prefix cache, not computed
+    num_keyed: int = 0  # positions [0, num_keyed) are in keyed blocks (prefix caching)
+    last_key: bytes = b""  # the prefix cache's key of the last keyed block
+    # tokens to prefill: the prompt, or after a preemption the prompt and every generated
+    # token (the last chunk samples the next one); the planners' "in prefill" test
+    prefill_len: int = field(init=False, repr=False)
     # set once from the prompt, never changed: a plain attribute, not a property, because
     # the planners read it for every admitted request on every micro-batch
     prompt_len: int = field(init=False, repr=False)
     _sampling: Sampling = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.prompt_len = len(self.prompt_token_ids)
+        self.prompt_len = self.prefill_len = len(self.prompt_token_ids)
         self._sampling = Sampling(self.params.temperature, self.params.top_p, self.seed)
 
     @property
     def in_prefill(self) -> bool:
-        """Prompt tokens remain to be scheduled."""
-        return self.num_scheduled < self.prompt_len
+        """Prefill tokens remain to be scheduled."""
+        return self.num_scheduled < self.prefill_len
 
     @property
     def in_flight(self) -> bool:
@@ -115,6 +123,20 @@ class Request:
         return RequestOutput(self.request_id, self.prompt_token_ids, tokens,
                              self.finish_reason, self.arrival_s, self.first_token_s, self.finish_s,
                              error if self.finish_reason == FinishReason.ERROR else None)
+
+    def token_range(self, start: int, end: int) -> tuple[int, ...]:
+        """Token ids at positions [start, end) (prompt, then generated tokens)."""
+        n = self.prompt_len
+        if end <= n:
+            return tuple(self.prompt_token_ids[start:end])
+        return tuple(self.prompt_token_ids[start:n]) + tuple(self.output_token_ids[max(0, start - n):end - n])
+
+    def preempted(self) -> None:
+        """Its blocks were taken back: compute everything known again, from position 0."""
+        self.num_preemptions += 1
+        self.prefill_len = self.prompt_len + len(self.output_token_ids)
+        self.num_scheduled = self.num_computed = self.num_keyed = 0
+        self.last_key = b""
 
     def token_at(self, position: int) -> int:
         """Token id at a sequence position (prompt, then generated tokens)."""

@@ -3,7 +3,7 @@
 Nothing here unpickles. A message is JSON text; `decode(data, schema)` rebuilds the one
 type the receiver expects, walking the type hints of the dataclasses themselves (no second
 schema to keep in step): a dataclass is an object with exactly its field names, a
-`tuple[X, ...]` a list, a `dict[int, int]` a list of [key, value] pairs (JSON object keys
+`tuple[X, ...]` or `list[X]` a list, a `dict[int, int]` a list of [key, value] pairs (JSON object keys
 are strings), `X | None` either. Ints must be JSON integers (not booleans), floats may be
 either number. Anything else (a pickle, unknown or missing fields, a wrong type) raises
 `WireError` naming the path of the bad value. No torch.
@@ -73,6 +73,8 @@ def _to_json(value: Any, schema: Any, path: str) -> Any:
         return {name: _to_json(getattr(value, name), hint, f"{path}.{name}")
                 for name, hint in _hints(schema)}
     origin, args = typing.get_origin(schema), typing.get_args(schema)
+    if origin is list and isinstance(value, (tuple, list)):
+        return [_to_json(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is tuple and isinstance(value, (tuple, list)):
         items = _tuple_items(args, len(value), path)
         return [_to_json(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, items))]
@@ -105,6 +107,8 @@ def _from_json(raw: Any, schema: Any, path: str) -> Any:
         return schema(**{name: _from_json(raw[name], hint, f"{path}.{name}")
                          for name, hint in hints})
     origin, args = typing.get_origin(schema), typing.get_args(schema)
+    if origin is list and isinstance(raw, list):
+        return [_from_json(v, args[0], f"{path}[{i}]") for i, v in enumerate(raw)]
     if origin is tuple and isinstance(raw, list):
         items = _tuple_items(args, len(raw), path)
         return tuple(_from_json(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(raw, items)))

@@ -70,7 +70,7 @@ class StageWorker:
     @torch.inference_mode()
     def forward(self, mb: MicroBatch, x: torch.Tensor | None) -> tuple[torch.Tensor, BatchLayout]:
         """Hidden states [num_tokens, hidden] after this stage's layers."""
-        layout = BatchLayout.build(mb, self.device, self.cpu_decode)
+        layout = BatchLayout.build(mb, self.device, self.cfg.cache.block_size, self.cpu_decode)
         if self.model.is_first:
             x = self.input_ids(mb)
         return self.model(x, self.cache, layout), layout

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from pp_runtime.batch import MicroBatch, SeqChunk
+from pp_runtime.batch import MicroBatch, SeqChunk, slot_blocks
 from pp_runtime.config import Config
 from pp_runtime.device import resolve_device, torch_dtype
 from pp_runtime.errors import ConfigError
@@ -170,10 +170,11 @@ def median_ms(fn: Callable[[], object], device: torch.device, effort: Effort) ->
 
 
 # ---- mlp.csv ------------------------------------------------------------------------------
-def _flat_batch(num_tokens: int, seq_len: int) -> MicroBatch:
+def _flat_batch(num_tokens: int, seq_len: int, block_size: int) -> MicroBatch:
     """num_tokens prompt tokens from position 0, cut into sequences of at most seq_len."""
     sizes = [min(seq_len, num_tokens - row) for row in range(0, num_tokens, seq_len)]
-    return MicroBatch(0, tuple(SeqChunk(i, i, 0, tuple(range(n)), None)
+    per = -(-seq_len // block_size)
+    return MicroBatch(0, tuple(SeqChunk(i, slot_blocks(i, per), 0, tuple(range(n)), None)
                                for i, n in enumerate(sizes)))
 
 
@@ -192,7 +193,7 @@ def _layer_ops(model: StageModel, head: nn.Module, n: int, seq_len: int) -> dict
     nxt = itertools.cycle(model.layers).__next__  # the layer the next call runs on
     w = layer.qkv.weight
     q_dim, kv_dim = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
-    layout = BatchLayout.build(_flat_batch(n, seq_len), w.device)
+    layout = BatchLayout.build(_flat_batch(n, seq_len, 16), w.device, 16)  # positions only
     ids = torch.randint(model.cfg.vocab_size, (n,), device=w.device)  # [n]
     x = torch.randn(n, w.shape[1], dtype=w.dtype, device=w.device)  # [n, hidden]
     y = torch.randn_like(x)  # [n, hidden]
@@ -242,39 +243,42 @@ def measure_mlp(cfg: Config, model: StageModel, grid: ProfileGrid, effort: Effor
 
 # ---- attention.csv ------------------------------------------------------------------------
 def _prefill_op(layer: DecoderLayer, cache: KVCache, chunk: int, cached: int) -> Callable:
-    """`prefill_attention` of `chunk` new tokens after `cached` ones, in slot 0."""
+    """`prefill_attention` of `chunk` new tokens after `cached` ones, in context 0."""
     w = layer.qkv.weight
-    mb = MicroBatch(0, (SeqChunk(0, 0, cached, tuple(range(chunk)), None),))
-    span = BatchLayout.build(mb, w.device).prefills[0]
+    blocks = slot_blocks(0, cache.num_blocks)  # one context: the whole cache
+    mb = MicroBatch(0, (SeqChunk(0, blocks, cached, tuple(range(chunk)), None),))
+    span = BatchLayout.build(mb, w.device, cache.block_size).prefills[0]
     q = torch.randn(chunk, layer.heads, layer.head_dim, dtype=w.dtype,
                     device=w.device)  # [C, heads / tp, head_dim]
     kv = itertools.cycle([cache.layer(i) for i in range(len(cache.k))]).__next__
     return lambda: prefill_attention(q, *kv(), span)
 
 
-def _decode_op(layer: DecoderLayer, cache: KVCache, batch: int, cached: int,
+def _decode_op(layer: DecoderLayer, cache: KVCache, batch: int, cached: int, per: int,
                cpu_decode: bool = False) -> Callable:
     """The runtime's decode path, picked as `hybrid_attention` does (`cpu_decode`: the
-    worker's CPU kernel), for `batch` decodes with `cached` tokens already in the cache each."""
+    worker's CPU kernel), for `batch` decodes with `cached` tokens already in the cache each
+    (decode i in context i, `per` blocks each)."""
     w = layer.qkv.weight
-    mb = MicroBatch(0, tuple(SeqChunk(i, i, cached, (0,), None, is_decode=True)
+    mb = MicroBatch(0, tuple(SeqChunk(i, slot_blocks(i, per), cached, (0,), None, is_decode=True)
                              for i in range(batch)))
-    lay = BatchLayout.build(mb, w.device, cpu_decode)
+    lay = BatchLayout.build(mb, w.device, cache.block_size, cpu_decode)
     q = torch.randn(batch, layer.heads, layer.head_dim, dtype=w.dtype,
                     device=w.device)  # [b, heads / tp, head_dim]
     kv = itertools.cycle([cache.layer(i) for i in range(len(cache.k))]).__next__
     return lambda: decode_attention(q, *kv(), lay)  # the path hybrid_attention takes
 
 
-def _filled_cache(layer: DecoderLayer, slots: int, seq_len: int, layers: int,
-                  heads_major: bool) -> KVCache:
+def _filled_cache(layer: DecoderLayer, slots: int, seq_len: int, block_size: int,
+                  layers: int, heads_major: bool) -> KVCache:
     """A KV cache of `layers` layers (rotated through, like the weights), within COLD_BYTES."""
     w = layer.qkv.weight
-    per_layer = 2 * slots * seq_len * layer.kv_heads * layer.head_dim * w.element_size()
+    per = -(-seq_len // block_size)  # blocks of one context: context i has [i * per, (i + 1) * per)
+    per_layer = 2 * slots * per * block_size * layer.kv_heads * layer.head_dim * w.element_size()
     layers = max(1, min(layers, COLD_BYTES // max(1, per_layer)))
-    cache = KVCache(layers, slots, seq_len, layer.kv_heads, layer.head_dim, w.dtype, w.device,
-                    heads_major)
-    for t in (*cache.k, *cache.v):  # [slots, seq_len, kv_heads / tp, head_dim]
+    cache = KVCache(layers, slots * per, block_size, layer.kv_heads, layer.head_dim, w.dtype,
+                    w.device, heads_major)
+    for t in (*cache.k, *cache.v):  # [slots * per, block_size, kv_heads / tp, head_dim]
         t.normal_()
     return cache
 
@@ -285,11 +289,12 @@ def measure_attention(cfg: Config, layer: DecoderLayer, grid: ProfileGrid, effor
     cpu_decode = use_decode_kernel(cfg, device)  # as the worker decides
     for is_prefill, points in ((True, grid.prefills), (False, grid.decodes)):
         slots = 1 if is_prefill else max((b for b, _ in points), default=1)
-        cache = _filled_cache(layer, slots, cfg.seq_len, cold_layers(cfg),
+        cache = _filled_cache(layer, slots, cfg.seq_len, cfg.cache.block_size, cold_layers(cfg),
                               heads_major(cfg, device))
         for a, cached in points:  # a: the chunk (prefill) or the number of decodes
             op = (_prefill_op(layer, cache, a, cached) if is_prefill else
-                  _decode_op(layer, cache, a, cached, cpu_decode))
+                  _decode_op(layer, cache, a, cached, -(-cfg.seq_len // cfg.cache.block_size),
+                             cpu_decode))
             ms = median_ms(op, device, effort)
             rows.append({"n_embd": m.hidden_size, "n_q_head": m.num_heads,
                          "n_kv_head": m.kv_heads, "num_tensor_parallel_workers": cfg.parallel.tp,

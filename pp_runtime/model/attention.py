@@ -1,20 +1,20 @@
-"""Attention for hybrid micro-batches: prefill chunks one by one, then the decodes.
+"""Attention for hybrid micro-batches over the paged KV cache: prefill chunks one by one,
+then the decodes.
 
 All tokens of a micro-batch are flattened into rows of one tensor. `BatchLayout` says, once
-per micro-batch, which rows belong to which sequence; every layer reuses it.
-
-Attention reads the KV cache in place: every SDPA call gets 4-D `[1, heads, seq, head_dim]`
-views of one slot (the shape the fused kernels need: flash on CPU, flash or memory-efficient
-on CUDA), never a copy.
+per micro-batch, which rows belong to which sequence and where each position lives in the
+cache (block table[p // block_size], offset p % block_size); every layer reuses it.
 
 - A prefill chunk at positions [start, start + n) attends causally to its own earlier KV
-  (already cached) plus itself (paper Fig. 6), so chunked prefill equals full prefill. The
-  first chunk is plain causal; a later one uses the lower-right causal bias.
-- A decode (one token) reads exactly its first kv_len keys: nothing padded, nothing gathered.
-  On CUDA (fp16/bf16) one FlashAttention-2 varlen call per layer serves every decode,
-  each slot a sequence of the flattened cache; on a CPU one call of our C++ kernel per layer
-  (`cpu_kernels.decode_attention_cpu`, when the worker has it); elsewhere one SDPA call
-  per decode.
+  (already cached) plus itself (paper Fig. 6), so chunked prefill equals full prefill. Its
+  keys are gathered from its blocks into one [kv_heads, start + n, head_dim] tensor (one
+  copy per layer, small beside the chunk's attention), then one SDPA call: plain causal
+  for the first chunk, the lower-right causal bias for a later one.
+- A decode (one token) reads exactly its first kv_len keys. On a CPU one call of our C++
+  kernel per layer walks every decode's block table in place (`cpu_kernels`, when the
+  worker has it); on CUDA (fp16/bf16) the decodes' keys are gathered once per layer into
+  a varlen batch for one FlashAttention-2 call; elsewhere one SDPA call per decode on its
+  gathered keys.
 
 `attention_paths()` counts the calls per path, so a check can see which kernels ran.
 """
@@ -47,7 +47,7 @@ def attention_paths() -> dict[str, int]:
 @dataclass
 class PrefillSpan:
     rows: slice  # rows of this chunk in the flattened batch
-    slot: int
+    blocks: torch.Tensor  # [ceil((start + n) / block_size)] long: blocks of positions [0, start + n)
     start: int  # tokens [0, start) are already cached
 
 
@@ -56,63 +56,85 @@ class BatchLayout:
     """Per micro-batch index tensors, built once and shared by every layer."""
 
     positions: torch.Tensor  # [num_tokens] position of every row
-    slots: torch.Tensor  # [num_tokens] KV slot of every row
+    write_blocks: torch.Tensor  # [num_tokens] the block each row's K and V go to
+    write_offsets: torch.Tensor  # [num_tokens] the offset in that block
     prefills: list[PrefillSpan]
-    # the decodes, in ascending slot order (the varlen kernel needs ascending offsets)
     decode_rows: torch.Tensor  # [D] rows of the decode tokens
     decode_seqlens: torch.Tensor  # [D] int32 keys each decode attends to, its own included
-    decode_cu_slots: torch.Tensor  # [D + 1] int32 the slots, then the last one + 1
-    decode_cu_q: torch.Tensor  # [D + 1] int32 0, 1, ..., D: one query per decode
+    decode_tables: torch.Tensor  # [D, max blocks] int32 block tables (padded with 0)
     sample_rows: torch.Tensor  # [num_sampling] last row of each sequence that samples
-    decode_slot_list: list[int]  # the slots as plain ints (per-decode views)
+    decode_block_lists: list[list[int]]  # the tables as plain ints (per-decode gathers)
     decode_lens: list[int]  # decode_seqlens as plain ints
+    block_size: int
     cpu_decode: bool = False  # decodes through the CPU kernel (the worker has it built)
-    _rope: dict = field(default_factory=dict)  # (theta, head_dim, dtype) -> (cos, sin)
+    _cache: dict = field(default_factory=dict)  # per-micro-batch tables built on first use
 
     def rope_tables(self, theta: float, head_dim: int, dtype: torch.dtype):
         """cos, sin [T, 1, head_dim] for every row; computed once per micro-batch and
         shared by every layer (and by q and k)."""
-        key = (theta, head_dim, dtype)
-        if key not in self._rope:
+        key = ("rope", theta, head_dim, dtype)
+        if key not in self._cache:
             device = self.positions.device
             inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
                                                      dtype=torch.float32) / head_dim))
             freqs = self.positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
             emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
-            self._rope[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
-        return self._rope[key]
+            self._cache[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._cache[key]
+
+    def decode_key_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of every decode's keys in the cache flattened to [blocks * block_size, ...],
+        decode after decode, and the int32 offsets [D + 1] of each decode's first row."""
+        if "rows" not in self._cache:
+            bs, rows, cu = self.block_size, [], [0]
+            for blocks, n in zip(self.decode_block_lists, self.decode_lens):
+                rows.extend(blocks[j // bs] * bs + j % bs for j in range(n))
+                cu.append(len(rows))
+            device = self.positions.device
+            self._cache["rows"] = (torch.tensor(rows, dtype=torch.long, device=device),
+                                   torch.tensor(cu, dtype=torch.int32, device=device))
+        return self._cache["rows"]
 
     @classmethod
-    def build(cls, mb: MicroBatch, device: torch.device, cpu_decode: bool = False) -> "BatchLayout":
-        positions, slots, prefills, sample_rows, decodes = [], [], [], [], []
-        row = 0
+    def build(cls, mb: MicroBatch, device: torch.device, block_size: int,
+              cpu_decode: bool = False) -> "BatchLayout":
+        positions, wb, wo, prefills, sample_rows, decodes = [], [], [], [], [], []
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+        row, bs = 0, block_size
         for s in mb.seqs:
-            n = s.num_tokens
-            positions.extend(range(s.start, s.start + n))
-            slots.extend([s.slot] * n)
+            n, blocks = s.num_tokens, s.blocks
+            used = blocks[:-(-s.kv_len // bs)]  # the blocks of positions [0, kv_len)
+            pos = range(s.start, s.start + n)
+            positions.extend(pos)
+            wb.extend(blocks[p // bs] for p in pos)
+            wo.extend(p % bs for p in pos)
             if s.is_decode:
-                decodes.append((s.slot, row, s.kv_len))
+                decodes.append((row, s.kv_len, list(used)))
             else:
-                prefills.append(PrefillSpan(slice(row, row + n), s.slot, s.start))
+                prefills.append(PrefillSpan(slice(row, row + n), as_long(used), s.start))
             row += n
             if s.sampling is not None:
                 sample_rows.append(row - 1)
-        decodes.sort()  # by slot
-        dec_slots = [slot for slot, _, _ in decodes]
-        dec_lens = [kv_len for _, _, kv_len in decodes]
-        cu_slots = dec_slots + [dec_slots[-1] + 1] if decodes else [0]
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-        return cls(as_long(positions), as_long(slots), prefills,
-                   as_long([r for _, r, _ in decodes]), as_int(dec_lens), as_int(cu_slots),
-                   as_int(range(len(decodes) + 1)), as_long(sample_rows), dec_slots, dec_lens,
-                   cpu_decode)
+        width = max((len(t) for _, _, t in decodes), default=0)
+        tables = [t + [0] * (width - len(t)) for _, _, t in decodes]
+        return cls(as_long(positions), as_long(wb), as_long(wo), prefills,
+                   as_long([r for r, _, _ in decodes]), as_int([n for _, n, _ in decodes]),
+                   as_int(tables).reshape(len(decodes), width), as_long(sample_rows),
+                   [t for _, _, t in decodes], [n for _, n, _ in decodes], bs, cpu_decode)
+
+
+def gather_kv(cache: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n positions held by `blocks` (in table order) of a cache [num_blocks,
+    block_size, kv_heads, head_dim] as [1, kv_heads, n, head_dim], one copy."""
+    kv = cache.index_select(0, blocks)  # [nb, block_size, kv_heads, head_dim]
+    return kv.flatten(0, 1)[:n].transpose(0, 1)[None]
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       span: PrefillSpan) -> torch.Tensor:
-    """q: [n, heads, head_dim]; caches: [slots, max_len, kv_heads, head_dim] (this chunk
-    already written). Returns [n, heads, head_dim].
+    """q: [n, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim] (this
+    chunk already written). Returns [n, heads, head_dim].
 
     Query i sits at position start + i and sees keys [0, start + i]. In the [n, start + n]
     score matrix that is the causal triangle anchored at the bottom-right corner
@@ -121,8 +143,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     n = q.shape[0]
     kv_len = span.start + n
     qh = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]
-    k = k_cache[span.slot, :kv_len].transpose(0, 1)[None]  # [1, kv_heads, kv_len, head_dim], a view
-    v = v_cache[span.slot, :kv_len].transpose(0, 1)[None]
+    k = gather_kv(k_cache, span.blocks, kv_len)  # [1, kv_heads, kv_len, head_dim]
+    v = gather_kv(v_cache, span.blocks, kv_len)
     if span.start == 0:
         _path_calls["prefill_causal"] += 1
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
@@ -153,10 +175,10 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
 
 
 def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, layout: BatchLayout) -> str:
-    """The decode path: "varlen" (one FlashAttention-2 call) for CUDA fp16/bf16, a head_dim
-    it takes (a multiple of 8 up to 256) and a cache in "tokens" order (it reads the cache
-    as flattened rows; kv_cache.py); "cpu" (one call of our C++ kernel) where the layout
-    says the worker has it; else "views"."""
+    """The decode path: "cpu" (one call of our C++ kernel) where the layout says the worker
+    has it; "varlen" (one FlashAttention-2 call over the gathered keys) for CUDA fp16/bf16,
+    a head_dim it takes (a multiple of 8 up to 256) and a cache in "tokens" order (it
+    gathers rows of the flattened cache; kv_cache.py); else "views"."""
     if layout.cpu_decode and q.dtype in (torch.float32, torch.bfloat16):
         return "cpu"
     head_dim = q.shape[-1]
@@ -168,41 +190,42 @@ def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, layout: BatchLayout) -
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      layout: BatchLayout) -> torch.Tensor:
-    """Every decode of the micro-batch over the first kv_len keys of its own slot: the KV is
-    read in place, exactly sum(kv_len) keys, nothing padded or gathered.
-    q: [D, heads, head_dim], decodes in slot order (`BatchLayout`); caches:
-    [slots, seq_len, kv_heads, head_dim]. Returns [D, heads, head_dim].
+    """Every decode of the micro-batch over the first kv_len keys of its block table.
+    q: [D, heads, head_dim], decodes in micro-batch order; caches: [num_blocks,
+    block_size, kv_heads, head_dim]. Returns [D, heads, head_dim].
 
-    "varlen": the cache flattened to [slots * seq_len, kv_heads, head_dim] is a varlen key
-    batch in which decode b starts at row slot_b * seq_len and uses its kv_len rows; the
-    slots ascend, so the offsets do too."""
+    "varlen": the keys of all decodes gathered, decode after decode, into one
+    [sum(kv_len), kv_heads, head_dim] varlen key batch (`decode_key_rows`)."""
     kernel = decode_kernel(q, k_cache, layout)
     if kernel == "cpu":
         _path_calls["decode_cpu"] += 1
-        return decode_attention_cpu(q, k_cache, v_cache, layout.decode_cu_slots[:-1],
+        return decode_attention_cpu(q, k_cache, v_cache, layout.decode_tables,
                                     layout.decode_seqlens)
     if kernel == "varlen":
         _path_calls["decode_varlen"] += 1
-        seq_len, kv_heads, head_dim = k_cache.shape[1:]
-        cu_k = layout.decode_cu_slots * seq_len  # [D + 1] int32 first row of each slot
-        return flash_varlen(q, k_cache.view(-1, kv_heads, head_dim),
-                            v_cache.view(-1, kv_heads, head_dim), layout.decode_cu_q, cu_k,
-                            1, max(layout.decode_lens), layout.decode_seqlens)
-    return decode_attention_views(q, k_cache, v_cache, layout.decode_slot_list,
-                                  layout.decode_lens)
+        kv_heads, head_dim = k_cache.shape[2:]
+        rows, cu_k = layout.decode_key_rows()
+        k = k_cache.view(-1, kv_heads, head_dim).index_select(0, rows)  # [sum(kv_len), kv_heads, head_dim]
+        v = v_cache.view(-1, kv_heads, head_dim).index_select(0, rows)
+        cu_q = torch.arange(len(layout.decode_lens) + 1, dtype=torch.int32, device=q.device)
+        return flash_varlen(q, k, v, cu_q, cu_k, 1, max(layout.decode_lens),
+                            layout.decode_seqlens)
+    return decode_attention_views(q, k_cache, v_cache, layout)
 
 
 def decode_attention_views(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           slots: list[int], kv_lens: list[int]) -> torch.Tensor:
-    """One SDPA call per decode on views of the cache (no mask, so the fused kernels take it).
+                           layout: BatchLayout) -> torch.Tensor:
+    """One SDPA call per decode on its gathered keys (no mask, so the fused kernels take it).
     q: [D, heads, head_dim]. Returns [D, heads, head_dim]."""
     out = torch.empty_like(q)
-    for i, (slot, n) in enumerate(zip(slots, kv_lens)):
-        k = k_cache[slot, :n].transpose(0, 1)[None]  # [1, kv_heads, n, head_dim], a view
-        v = v_cache[slot, :n].transpose(0, 1)[None]
+    device = k_cache.device
+    for i, (blocks, n) in enumerate(zip(layout.decode_block_lists, layout.decode_lens)):
+        table = torch.tensor(blocks, dtype=torch.long, device=device)
+        k = gather_kv(k_cache, table, n)  # [1, kv_heads, n, head_dim]
+        v = gather_kv(v_cache, table, n)
         qi = q[i][None, :, None, :]  # [1, heads, 1, head_dim]
         out[i] = F.scaled_dot_product_attention(qi, k, v, enable_gqa=True)[0, :, 0, :]
-    _path_calls["decode_views"] += len(slots)
+    _path_calls["decode_views"] += len(layout.decode_lens)
     return out
 
 
@@ -210,9 +233,9 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor,
                      layout: BatchLayout) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] for every row of the batch.
-    Writes k, v into the cache, then attends. Returns [T, heads, head_dim]."""
-    k_cache[layout.slots, layout.positions] = k.to(k_cache.dtype)
-    v_cache[layout.slots, layout.positions] = v.to(v_cache.dtype)
+    Writes k, v into their blocks, then attends. Returns [T, heads, head_dim]."""
+    k_cache[layout.write_blocks, layout.write_offsets] = k.to(k_cache.dtype)
+    v_cache[layout.write_blocks, layout.write_offsets] = v.to(v_cache.dtype)
     out = torch.empty_like(q)
     for span in layout.prefills:
         out[span.rows] = prefill_attention(q[span.rows], k_cache, v_cache, span)

@@ -136,10 +136,11 @@ def decode_extension():
 
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Every decode in one call: q [D, heads, head_dim]; caches [slots, seq_len, kv_heads,
-    head_dim] (either layout); slots, lens [D] int32. Returns [D, heads, head_dim]."""
-    return decode_extension().decode_attention(q, k_cache, v_cache, slots, lens,
+                         tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Every decode in one call: q [D, heads, head_dim]; caches [num_blocks, block_size,
+    kv_heads, head_dim] (either layout); tables [D, W] int32 block tables, lens [D] int32.
+    Returns [D, heads, head_dim]."""
+    return decode_extension().decode_attention(q, k_cache, v_cache, tables, lens,
                                                q.shape[-1] ** -0.5)
 
 

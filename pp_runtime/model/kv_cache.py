@@ -1,13 +1,15 @@
-"""Preallocated KV cache of one pipeline stage (the paper's design, §4.5).
+"""The paged KV cache of one pipeline stage.
 
-One K and one V tensor per layer of the stage, each [slots, seq_len, kv_heads, head_dim]:
-a request owns one slot from admission to finish and its KV is updated in place.
+One K and one V tensor per layer of the stage, each [num_blocks, block_size, kv_heads,
+head_dim]: a pool of blocks of `cache.block_size` positions. The planner owns the pool
+(`planner/blocks.py`) and sends each sequence's block table with the micro-batch, so a
+request's KV takes the blocks its real length needs, not a whole context.
 
 That shape is what every reader indexes; the memory order under it is the stage's
 `runtime.kv_layout`. "tokens": the shape's own order, so the cache flattens to
-[slots * seq_len, kv_heads, head_dim] rows, what FlashAttention's varlen decode reads on
-CUDA. "heads": stored [slots, kv_heads, seq_len, head_dim] and shown permuted, so one
-head's keys of a slot are contiguous and a decode streams them (1.6x faster decode
+[num_blocks * block_size, kv_heads, head_dim] rows (what the CUDA decode path gathers
+from). "heads": stored [num_blocks, kv_heads, block_size, head_dim] and shown permuted, so
+one head's keys of a block are contiguous and a decode streams them (faster decode
 attention on a CPU core than the strided "tokens" order, bit-identical results).
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from pp_runtime.config import Config
+from pp_runtime.memory import kv_blocks
 
 
 def heads_major(cfg: Config, device: torch.device) -> bool:
@@ -24,24 +27,25 @@ def heads_major(cfg: Config, device: torch.device) -> bool:
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_slots: int, seq_len: int, kv_heads: int,
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  heads_major: bool = False):
-        def one() -> torch.Tensor:  # [slots, seq_len, kv_heads, head_dim], in either order
+        def one() -> torch.Tensor:  # [num_blocks, block_size, kv_heads, head_dim], either order
             if heads_major:
-                return torch.zeros(num_slots, kv_heads, seq_len, head_dim, dtype=dtype,
+                return torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype,
                                    device=device).transpose(1, 2)
-            return torch.zeros(num_slots, seq_len, kv_heads, head_dim, dtype=dtype, device=device)
+            return torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
+                               device=device)
 
         self.k = [one() for _ in range(num_layers)]
         self.v = [one() for _ in range(num_layers)]
-        self.num_slots, self.seq_len = num_slots, seq_len
+        self.num_blocks, self.block_size = num_blocks, block_size
 
     @classmethod
     def for_stage(cls, cfg: Config, num_layers: int, dtype: torch.dtype,
                   device: torch.device) -> "KVCache":
         m = cfg.model
-        return cls(num_layers, cfg.num_slots, cfg.seq_len, m.kv_heads // cfg.parallel.tp,
+        return cls(num_layers, kv_blocks(cfg), cfg.cache.block_size, m.kv_heads // cfg.parallel.tp,
                    m.head_dim, dtype, device, heads_major(cfg, device))
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

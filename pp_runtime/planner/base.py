@@ -1,9 +1,14 @@
-"""What every planner shares: admission by KV slot, the two counters, finishing.
+"""What every planner shares: admission by KV blocks, the two counters, finishing.
 
 A planner is pure Python with the clock passed in. Each policy only says which sequences
 go into the next micro-batch (`compose`); the rules below hold for all of them:
 
-- a request is admitted (FCFS, once it has arrived) only when a KV slot is free;
+- a request is admitted (FCFS, once it has arrived) only when the blocks of its prefill
+  are free (`planner/blocks.py`; a whole context with `cache.paged: false`);
+- a decode that enters a new block takes one when the micro-batch is placed (`place`);
+  when none is free, the most recently admitted request not in flight is preempted: its
+  blocks go back and it waits again at the head of the queue, to prefill its prompt and
+  the tokens it generated (its output is the same as without preemption);
 - a request is in at most one in-flight micro-batch (`in_flight`: scheduled > computed),
   except that with `planner.chunk_pipelining` a prompt's next prefill chunk may follow its
   previous ones into the pipeline before they come back (`prefilling()`): stages run
@@ -19,6 +24,7 @@ from collections import deque
 
 from pp_runtime.batch import MicroBatch, SampledTokens, SeqChunk
 from pp_runtime.config import Config
+from pp_runtime.planner.blocks import KVBlocks
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.request import FinishReason, Request
 
@@ -32,7 +38,10 @@ class BasePlanner:
         self.chunk_size, self.max_batch, self.tile_align = pl.chunk_size, pl.max_batch_size, pl.tile_align
         self.pipelining = pl.chunk_pipelining
         self.eos = cfg.model.eos_token_id
-        self.free_slots = deque(range(cfg.num_slots))
+        self.kv = KVBlocks(cfg)
+        c = cfg.cache  # paged: as many as the blocks hold; slots: one per reserved context
+        self.max_running = c.max_running or (cfg.num_slots if not c.paged else float("inf"))
+        self.num_preemptions = 0
         self.waiting: deque[Request] = deque()  # arrived or not, not yet admitted (FCFS)
         self.running: list[Request] = []  # admitted, in admission order
         self.requests: dict[int, Request] = {}
@@ -53,10 +62,13 @@ class BasePlanner:
         return self.waiting[0].arrival_s if self.waiting else None
 
     def admit(self, now: float) -> None:
-        while self.waiting and self.free_slots and self.waiting[0].arrival_s <= now:
-            req = self.waiting.popleft()
-            req.slot = self.free_slots.popleft()
-            self.running.append(req)
+        """Arrived requests, first come first served, while their blocks are free (beyond the
+        watermark unless nothing runs: a lone request may take the whole pool)."""
+        waiting, running, kv = self.waiting, self.running, self.kv
+        while waiting and waiting[0].arrival_s <= now and len(running) < self.max_running:
+            if not kv.admit(waiting[0], watermark=bool(running)):
+                return
+            running.append(waiting.popleft())
 
     # ---- building blocks for policies --------------------------------------------------
     # The building blocks below run for every sequence of every micro-batch (10^7 times in
@@ -71,8 +83,8 @@ class BasePlanner:
         chunk now, in admission order: with chunk pipelining every one (its earlier chunks
         may still be in flight), else only those not in flight."""
         if self.pipelining:
-            return [r for r in self.running if r.num_scheduled < r.prompt_len]
-        return [r for r in self.running if r.num_scheduled == r.num_computed < r.prompt_len]
+            return [r for r in self.running if r.num_scheduled < r.prefill_len]
+        return [r for r in self.running if r.num_scheduled == r.num_computed < r.prefill_len]
 
     def fill_prefills(self, seqs: list[SeqChunk], prompts: list[Request], budget: int) -> list[SeqChunk]:
         """Append chunks of `prompts`, in order, each taking what is left of its prompt or of
@@ -88,20 +100,22 @@ class BasePlanner:
 
     @staticmethod
     def decode(req: Request) -> SeqChunk:
-        """Feed the last generated token back (advances the scheduled counter)."""
+        """Feed the last generated token back (advances the scheduled counter). The chunk
+        holds the request's block table itself: `place` may add the block this token needs."""
         pos = req.num_scheduled
         req.num_scheduled = pos + 1
-        return SeqChunk(req.request_id, req.slot, pos, (req.token_at(pos),), req.sampling(),
+        return SeqChunk(req.request_id, req.blocks, pos, (req.token_at(pos),), req.sampling(),
                         True)  # is_decode, positional: a keyword costs ~0.1 us, 10^7 times
 
     @staticmethod
     def prefill(req: Request, n: int | None = None) -> SeqChunk:
-        """The next n prompt tokens (all that remain when n is None)."""
+        """The next n prefill tokens (all that remain when n is None); their blocks were
+        taken at admission."""
         start = req.num_scheduled
-        end = req.prompt_len if n is None else min(req.prompt_len, start + n)
+        end = req.prefill_len if n is None else min(req.prefill_len, start + n)
         req.num_scheduled = end
-        sampling = req.sampling() if end == req.prompt_len else None  # the prompt's last chunk
-        return SeqChunk(req.request_id, req.slot, start, tuple(req.prompt_token_ids[start:end]), sampling)
+        sampling = req.sampling() if end == req.prefill_len else None  # the prefill's last chunk
+        return SeqChunk(req.request_id, req.blocks, start, req.token_range(start, end), sampling)
 
     def compose(self, now: float) -> list[SeqChunk]:
         """The policy: sequences of the next micro-batch (may be empty)."""
@@ -111,20 +125,60 @@ class BasePlanner:
     def schedule(self, now: float = 0.0) -> MicroBatch | None:
         """The next micro-batch, or None when nothing can run now."""
         self.admit(now)
-        seqs = self.compose(now)
+        seqs = self.place(self.compose(now))
         if not seqs:
             return None
         mb = MicroBatch(self._next_mb, tuple(seqs))
         self._next_mb += 1
         return mb
 
+    def place(self, seqs: list[SeqChunk]) -> list[SeqChunk]:
+        """Give every decode that enters a new block that block. When none is free, preempt
+        the most recently admitted request that is not in flight (possibly the decode's own,
+        which then leaves this micro-batch) until one is."""
+        kv, requests = self.kv, self.requests
+        if not kv.paged:  # a whole context was reserved at admission
+            return seqs
+        out = []
+        for s in seqs:
+            req = requests[s.request_id]
+            if not kv.grow(req, s.kv_len):
+                req.num_scheduled = s.start  # not in this micro-batch after all
+                while True:
+                    victim = self.victim()
+                    self.preempt(victim)
+                    if victim is req or kv.grow(req, s.kv_len):
+                        break
+                if victim is req:
+                    continue
+                req.num_scheduled = s.kv_len
+            out.append(s)
+        return out
+
+    def victim(self) -> Request:
+        """The request to preempt: the most recently admitted one not in flight."""
+        return next(r for r in reversed(self.running) if r.num_scheduled == r.num_computed)
+
+    def preempt(self, req: Request) -> None:
+        """Take its blocks back; it waits again first in line, to compute all it knows."""
+        self.kv.free(req)
+        req.preempted()
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         """Record a finished micro-batch; returns the requests it finished."""
         finished = []
         requests, tokens, eos = self.requests, out.tokens, self.eos
+        keyed = self.kv.pool.prefix_caching
         for s in mb.seqs:
             req = requests[s.request_id]
             req.num_computed += len(s.token_ids)
+            if req.num_preemptions and not s.is_decode:
+                req.num_recomputed += len(s.token_ids)
+            if keyed:
+                self.kv.key_computed(req)
             if s.sampling is None:
                 continue
             token = tokens[s.request_id]
@@ -145,13 +199,14 @@ class BasePlanner:
     def finish(self, req: Request, reason: FinishReason, now: float) -> None:
         req.finish_reason, req.finish_s = reason, now
         self.running.remove(req)
-        self.free_slots.append(req.slot)
+        self.kv.free(req)
 
     def abort_all(self, reason: FinishReason, now: float) -> list[Request]:
         """End every unfinished request (e.g. after an executor failure)."""
         ended = list(self.running) + list(self.waiting)
         for req in ended:
             req.finish_reason, req.finish_s = reason, now
+            self.kv.free(req)
         self.running, self.waiting = [], deque()
         return ended
 

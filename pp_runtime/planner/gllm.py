@@ -12,9 +12,10 @@ Each micro-batch, after admitting arrived requests while KV slots are free:
      max(waiting prompt tokens // ITERP, MINP). With a single rank (pp * tp = 1) gLLM skips
      the throttle: P = min(MAXP, free KV tokens - T * all KV tokens).
 With `planner.chunk_pipelining` a prompt's next chunk may go while its previous one is in
-flight (`BasePlanner.prefilling`), as in gLLM. Here a request's KV slot is reserved when it
-is admitted, so free KV cannot stall a running request: P never drops under MINP (gLLM's
-"minimum prefill token count per batch"), else a prompt filling the cache would wait forever.
+flight (`BasePlanner.prefilling`), as in gLLM. Free KV is counted as gLLM does, in tokens
+scheduled (not blocks); a prompt's blocks are taken when it is admitted, so P never drops
+under MINP (gLLM's "minimum prefill token count per batch"), else a prompt filling the
+cache would wait forever.
 Source: gty111/gLLM, gllm/scheduler.py (`token_throttling`,
 `get_balanced_decode_token_budget`, `schedule_prefill_batch`; the KVTHRESH form of the KV
 ramp as published, gllm/worker_scheduler.py before its rename).
@@ -39,7 +40,7 @@ class GllmPlanner(BasePlanner):
         super().__init__(cfg, cost_model)
         self.pp = cfg.parallel.pp
         self.throttle = cfg.parallel.pp * cfg.parallel.tp > 1  # gLLM: get_world_size() > 1
-        self.kv_tokens = cfg.num_slots * cfg.seq_len
+        self.kv_tokens = self.kv.pool.num_blocks * self.kv.block_size
         self.jitter = 0  # advances once per budget split, as gLLM's `_decode_budget_jitter`
 
     def decode_budget(self, running_decodes: int) -> int:
@@ -69,20 +70,20 @@ class GllmPlanner(BasePlanner):
         counting stops past two prompts and `stop_at` tokens (the cap can no longer bind)."""
         prompts = tokens = 0
         for r in self.running:
-            if r.num_scheduled < r.prompt_len:
-                prompts, tokens = prompts + 1, tokens + r.prompt_len - r.num_scheduled
+            if r.num_scheduled < r.prefill_len:
+                prompts, tokens = prompts + 1, tokens + r.prefill_len - r.num_scheduled
         for r in self.waiting:  # not admitted yet: no free KV slot
             if r.arrival_s > now or (prompts > 1 and tokens >= stop_at):
                 break
-            prompts, tokens = prompts + 1, tokens + r.prompt_len
+            prompts, tokens = prompts + 1, tokens + r.prefill_len
         return prompts, tokens
 
     def compose(self, now: float) -> list[SeqChunk]:
-        # `num_scheduled >= prompt_len` is `not in_prefill`, spelled out on this hot path (base.py)
-        ready = [r for r in self.idle() if r.num_scheduled >= r.prompt_len]
+        # `num_scheduled >= prefill_len` is `not in_prefill`, spelled out on this hot path (base.py)
+        ready = [r for r in self.idle() if r.num_scheduled >= r.prefill_len]
         prompts = self.prefilling()
         if not ready and not prompts:  # gLLM plans only when a sequence can go: the jitter
             return []  #                 advances once per micro-batch it could compose
-        running_decodes = sum(1 for r in self.running if r.num_scheduled >= r.prompt_len)
+        running_decodes = sum(1 for r in self.running if r.num_scheduled >= r.prefill_len)
         seqs = [self.decode(r) for r in ready[: self.decode_budget(running_decodes)]]
         return self.fill_prefills(seqs, prompts, self.prefill_budget(now))

@@ -28,10 +28,10 @@ class SarathiPlanner(BasePlanner):
         return self.chunk_size - len(decodes) if self.tile_align else self.chunk_size
 
     def compose(self, now: float) -> list[SeqChunk]:
-        # `num_scheduled < prompt_len` is `in_prefill`, spelled out on this hot path (base.py)
+        # `num_scheduled < prefill_len` is `in_prefill`, spelled out on this hot path (base.py)
         prefill = next(iter(self.prefilling()), None)
         limit = self.max_batch - 1 if prefill else self.max_batch
-        ready = [r for r in self.idle() if r.num_scheduled >= r.prompt_len]
+        ready = [r for r in self.idle() if r.num_scheduled >= r.prefill_len]
         seqs = [self.decode(r) for r in ready[:limit]]
         if prefill:
             seqs.append(self.prefill(prefill, self.chunk_budget(seqs, prefill.num_scheduled)))

@@ -32,8 +32,8 @@ class SarathiServePlanner(BasePlanner):
         warn_untiled(cfg)  # C is the whole micro-batch: a multiple of the tile wastes nothing
 
     def compose(self, now: float) -> list[SeqChunk]:
-        # `num_scheduled >= prompt_len` is `not in_prefill`, spelled out on this hot path (base.py)
-        ready = [r for r in self.idle() if r.num_scheduled >= r.prompt_len]
+        # `num_scheduled >= prefill_len` is `not in_prefill`, spelled out on this hot path (base.py)
+        ready = [r for r in self.idle() if r.num_scheduled >= r.prefill_len]
         seqs = [self.decode(r) for r in ready[: self.max_batch]]
         budget = self.chunk_size - len(seqs)
         prompts = self.prefilling()

@@ -48,7 +48,7 @@ class UniformPlanner(SarathiPlanner):
     def compose(self, now: float) -> list[SeqChunk]:
         prefilling = self.prefilling()
         limit = self.max_batch - 1 if prefilling else self.max_batch
-        ready = [r for r in self.idle() if r.num_scheduled >= r.prompt_len]
+        ready = [r for r in self.idle() if r.num_scheduled >= r.prefill_len]
         seqs = [self.decode(r) for r in ready[:limit]]
         if prefilling:
             seqs += self.fill([s.kv_len for s in seqs], prefilling)
@@ -62,7 +62,7 @@ class UniformPlanner(SarathiPlanner):
         room = self.chunk_size - (len(kv) if self.tile_align else 0)
         out = []
         for req in prefilling[:MAX_PACKED]:
-            start, left = req.num_scheduled, req.prompt_len - req.num_scheduled
+            start, left = req.num_scheduled, req.prefill_len - req.num_scheduled
             n = self._largest_fit(chunks, kv, start, min(left, room))
             if n < min(left, self.min_chunk):  # too little time left for a useful chunk
                 if chunks:

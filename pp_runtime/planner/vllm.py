@@ -23,7 +23,7 @@ class VllmPlanner(BasePlanner):
         idle = self.idle()
         seqs, tokens = [], 0
         for r in (r for r in idle if r.in_prefill):
-            n = r.prompt_len - r.num_scheduled
+            n = r.prefill_len - r.num_scheduled
             if len(seqs) == self.max_batch or (seqs and tokens + n > self.token_budget):
                 break
             seqs.append(self.prefill(r))

@@ -1,13 +1,15 @@
 // Decode attention on a CPU: every decode of a micro-batch in one call.
 //
-// out[b, h] = softmax(q[b, h] . K[slot_b, :len_b, h / group]^T * scale) . V[slot_b, :len_b, h / group]
+// out[b, h] = softmax(q[b, h] . K_b[:len_b, h / group]^T * scale) . V_b[:len_b, h / group]
+// where position j of decode b is at offset j % block_size of block tables[b, j / block_size].
 //
-// q: [D, heads, head_dim]; caches: [slots, seq_len, kv_heads, head_dim] in any memory order
-// with head_dim contiguous (read through their strides: the "heads" layout streams each
-// head's keys); slots, lens: [D] int32 (BatchLayout's decode_cu_slots[:D], decode_seqlens). One task per (decode, head), spread over torch's
-// intra-op threads (at::parallel_for); each reads exactly len_b keys and values once,
-// accumulating in float32 (bfloat16 caches too). Built on first use by
-// pp_runtime/model/cpu_kernels.py.
+// q: [D, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim] in any
+// memory order with head_dim contiguous (read through their strides: the "heads" layout
+// streams each head's keys of a block); tables: [D, W] int32 block tables (BatchLayout's
+// decode_tables), lens: [D] int32 (decode_seqlens). The keys are read in place through the
+// table, never gathered. One task per (decode, head), spread over torch's intra-op threads
+// (at::parallel_for); each reads exactly len_b keys and values once, accumulating in
+// float32 (bfloat16 caches too). Built on first use by pp_runtime/model/cpu_kernels.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,8 +19,10 @@
 
 template <typename T>
 static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                   const int32_t* slot, const int32_t* len, at::Tensor& out, float scale) {
+                   const int32_t* table, int64_t width, const int32_t* len, at::Tensor& out,
+                   float scale) {
   const int64_t heads = q.size(1), dim = q.size(2), group = heads / kc.size(2);
+  const int64_t bs = kc.size(1);
   const T* qp = q.data_ptr<T>();
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
@@ -30,14 +34,15 @@ static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
     std::vector<float> score, qf(dim), acc(dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads, h = i % heads, n = len[b];
-      const T* kb = kp + slot[b] * ks0 + (h / group) * ks2;
-      const T* vb = vp + slot[b] * vs0 + (h / group) * vs2;
+      const int32_t* blocks = table + b * width;
+      const T* kh = kp + (h / group) * ks2;  // head h's keys, block 0
+      const T* vh = vp + (h / group) * vs2;
       const T* qb = qp + b * qs0 + h * qs1;
       for (int64_t e = 0; e < dim; ++e) qf[e] = static_cast<float>(qb[e]) * scale;
       score.resize(n);
       float top = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {  // scores: one pass over the keys
-        const T* kr = kb + j * ks1;
+        const T* kr = kh + blocks[j / bs] * ks0 + (j % bs) * ks1;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t e = 0; e < dim; ++e) s += qf[e] * static_cast<float>(kr[e]);
@@ -51,7 +56,7 @@ static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {  // weighted values: one pass over the values
-        const T* vr = vb + j * vs1;
+        const T* vr = vh + blocks[j / bs] * vs0 + (j % bs) * vs1;
         const float p = score[j];
 #pragma omp simd
         for (int64_t e = 0; e < dim; ++e) acc[e] += p * static_cast<float>(vr[e]);
@@ -63,28 +68,34 @@ static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& slots,
+                            const at::Tensor& v_cache, const at::Tensor& tables,
                             const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "q [D, heads, head_dim], caches [slots, seq_len, kv_heads, head_dim]");
+              "q [D, heads, head_dim], caches [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "head_dim must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv_heads");
-  TORCH_CHECK(slots.scalar_type() == at::kInt && lens.scalar_type() == at::kInt &&
-              slots.is_contiguous() && lens.is_contiguous() && slots.numel() == q.size(0) &&
-              lens.numel() == q.size(0), "slots, lens: [D] int32");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt &&
+              tables.is_contiguous() && lens.is_contiguous() && tables.dim() == 2 &&
+              tables.size(0) == q.size(0) && lens.numel() == q.size(0),
+              "tables: [D, W] int32, lens: [D] int32");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  const int32_t* slot = slots.data_ptr<int32_t>();
+  const int64_t width = tables.size(1), bs = k_cache.size(1), blocks = k_cache.size(0);
+  const int32_t* table = tables.data_ptr<int32_t>();
   const int32_t* len = lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < k_cache.size(0) && len[b] >= 1 && len[b] <= k_cache.size(1),
-                "decode ", b, ": slot ", slot[b], " or length ", len[b], " out of the cache");
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= width * bs, "decode ", b, ": length ", len[b],
+                " beyond its block table of ", width, " blocks");
+    for (int64_t i = 0; i < (len[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(table[b * width + i] >= 0 && table[b * width + i] < blocks, "decode ", b,
+                  ": block ", table[b * width + i], " is outside the cache's ", blocks);
+  }
   if (q.scalar_type() == at::kFloat)
-    decode<float>(q, k_cache, v_cache, slot, len, out, static_cast<float>(scale));
+    decode<float>(q, k_cache, v_cache, table, width, len, out, static_cast<float>(scale));
   else if (q.scalar_type() == at::kBFloat16)
-    decode<at::BFloat16>(q, k_cache, v_cache, slot, len, out, static_cast<float>(scale));
+    decode<at::BFloat16>(q, k_cache, v_cache, table, width, len, out, static_cast<float>(scale));
   else
     TORCH_CHECK(false, "decode_attention: float32 or bfloat16, got ", q.scalar_type());
   return out;
