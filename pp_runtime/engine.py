@@ -191,12 +191,12 @@ class Engine:
     def num_waiting(self) -> int:
         """Requests taken in that hold no KV slot yet."""
         with self._cond:
-            return sum(1 for o in self._open.values() if o.req.slot is None)
+            return sum(1 for o in self._open.values() if o.req.blocks is None)
 
     def num_running(self) -> int:
         """Requests that hold a KV slot."""
         with self._cond:
-            return sum(1 for o in self._open.values() if o.req.slot is not None)
+            return sum(1 for o in self._open.values() if o.req.blocks is not None)
 
     def abandon(self, error: str) -> None:
         """End every open request with `error` now, from this thread, without waiting for
@@ -277,7 +277,7 @@ class Engine:
         if not o.in_planner:
             o.dropped = True
             req.finish_reason, req.finish_s = reason, now
-        elif req.slot is None:  # admitted to nothing yet
+        elif req.blocks is None:  # admitted to nothing yet
             planner.waiting.remove(req)
             req.finish_reason, req.finish_s = reason, now
         elif req.in_flight:
