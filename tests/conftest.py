@@ -16,6 +16,18 @@ LLAMA_SHAPES = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=8,
                     max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
 
 
+def slot_tables(seqs, cfg) -> tuple:
+    """Test shorthand: a SeqChunk whose `blocks` is an int n means whole context n of the
+    cache (blocks [n * per, (n + 1) * per) with per blocks of max_seq_len tokens)."""
+    from dataclasses import replace
+
+    from pp_runtime.batch import slot_blocks
+
+    per = -(-cfg.seq_len // cfg.cache.block_size)
+    return tuple(replace(s, blocks=slot_blocks(s.blocks, per)) if isinstance(s.blocks, int)
+                 else s for s in seqs)
+
+
 def hf_model(family: str, **changes):
     """A random-weight transformers model; a large init std makes greedy choices decisive."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM

@@ -3,6 +3,7 @@ loaded through `LLM.from_pretrained` (GPT-2, and LLaMA with grouped-query attent
 import pytest
 import torch
 
+from conftest import slot_tables
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.batch import MicroBatch, SeqChunk
 
@@ -50,7 +51,8 @@ def test_prefill_logits_equal_transformers(hf_checkpoint):
     worker = llm.executor.workers[0]
     ours = []
     for start in range(0, len(prompt), 8):  # chunks of 8 into slot 0
-        hidden, _ = worker.forward(MicroBatch(0, (SeqChunk(0, 0, start, tuple(prompt[start:start + 8]), None),)), None)
+        seqs = slot_tables([SeqChunk(0, 0, start, tuple(prompt[start:start + 8]), None)], worker.cfg)
+        hidden, _ = worker.forward(MicroBatch(0, seqs), None)
         ours.append(worker.model.logits(hidden))
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0]

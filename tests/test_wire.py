@@ -92,10 +92,13 @@ def test_a_message_of_the_wrong_kind_is_refused():
 
 def test_encode_checks_too_and_takes_numpy_ints():
     np = pytest.importorskip("numpy")
-    mb = MicroBatch(np.int64(1), (SeqChunk(0, 0, 0, tuple(np.arange(3)), Sampling(0.0, 1.0, 0)),))
-    assert decode(encode(mb, PLAN), PLAN) == MicroBatch(1, (SeqChunk(0, 0, 0, (0, 1, 2),
+    mb = MicroBatch(np.int64(1), (SeqChunk(0, [np.int64(4), 2], 0, tuple(np.arange(3)),
+                                           Sampling(0.0, 1.0, 0)),))
+    assert decode(encode(mb, PLAN), PLAN) == MicroBatch(1, (SeqChunk(0, [4, 2], 0, (0, 1, 2),
                                                                      Sampling(0.0, 1.0, 0)),))
     with pytest.raises(WireError, match=r"message.seqs\[0\].token_ids\[0\]: cannot send float"):
-        encode(MicroBatch(1, (SeqChunk(0, 0, 0, (1.5,), None),)), PLAN)
+        encode(MicroBatch(1, (SeqChunk(0, [0], 0, (1.5,), None),)), PLAN)
+    with pytest.raises(WireError, match=r"message.seqs\[0\].blocks\[0\]: cannot send float"):
+        encode(MicroBatch(1, (SeqChunk(0, [0.5], 0, (1,), None),)), PLAN)
     with pytest.raises(WireError, match="cannot send"):
         encode(object(), PLAN)

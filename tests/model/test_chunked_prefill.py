@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from conftest import slot_tables
 from pp_runtime.batch import MicroBatch, SeqChunk
 from pp_runtime.config import Config, load_model_config
 from pp_runtime.worker import StageWorker
@@ -16,7 +17,7 @@ def make_worker(family: str) -> StageWorker:
 
 
 def run_logits(worker: StageWorker, seqs) -> torch.Tensor:
-    hidden, _ = worker.forward(MicroBatch(0, tuple(seqs)), None)
+    hidden, _ = worker.forward(MicroBatch(0, slot_tables(seqs, worker.cfg)), None)
     return worker.model.logits(hidden)  # [num_tokens, vocab]
 
 

@@ -14,11 +14,23 @@ from pp_runtime.model.kv_cache import KVCache
 needs_kernel = pytest.mark.skipif(decode_extension() is None, reason="no C++ compiler here")
 
 
-def decode_batch(slots_lens: list[tuple[int, int]]) -> MicroBatch:
-    """Decodes in the order given: (slot, kv_len) each."""
+def decode_batch(tables_lens: list[tuple[list[int], int]]) -> MicroBatch:
+    """Decodes in the order given: (block table, kv_len) each."""
     greedy = Sampling(0.0, 1.0, 0)
-    return MicroBatch(0, tuple(SeqChunk(i, slot, n - 1, (0,), greedy, is_decode=True)
-                               for i, (slot, n) in enumerate(slots_lens)))
+    return MicroBatch(0, tuple(SeqChunk(i, table, n - 1, (0,), greedy, is_decode=True)
+                               for i, (table, n) in enumerate(tables_lens)))
+
+
+def dense_reference(q, k_cache, v_cache, tables_lens) -> torch.Tensor:
+    """Each decode's keys copied out block by block in table order, then one SDPA call:
+    the block table's meaning written independently of the layout code."""
+    out = []
+    for i, (table, n) in enumerate(tables_lens):
+        k = torch.cat([k_cache[b] for b in table])[:n].transpose(0, 1)[None].float()
+        v = torch.cat([v_cache[b] for b in table])[:n].transpose(0, 1)[None].float()
+        out.append(F.scaled_dot_product_attention(q[i][None, :, None].float(), k, v,
+                                                  enable_gqa=True)[0, :, 0])
+    return torch.stack(out).to(q.dtype)
 
 
 @needs_kernel
@@ -26,35 +38,38 @@ def decode_batch(slots_lens: list[tuple[int, int]]) -> MicroBatch:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_decode_kernel_equals_sdpa_per_decode(heads_major, dtype, kv_heads):
-    """Slots listed out of order, lengths from 1 to the whole cache, GQA and MQA, either
-    cache order: the one call gives the outputs of one SDPA call per decode."""
+    """Block tables scattered over the pool and out of order, lengths from 1 to four whole
+    blocks (and one ending mid-block), GQA and MQA, either cache order: the one call gives
+    the outputs of SDPA over each decode's keys copied out by hand."""
     g = torch.Generator().manual_seed(0)
-    cache = KVCache(1, 6, 64, kv_heads, 32, dtype, torch.device("cpu"), heads_major)
+    cache = KVCache(1, 24, 16, kv_heads, 32, dtype, torch.device("cpu"), heads_major)
     for t in (cache.k[0], cache.v[0]):
         t.copy_(torch.randn(t.shape, generator=g).to(dtype))
-    layout = BatchLayout.build(decode_batch([(5, 64), (0, 1), (3, 17), (1, 40)]),
-                               torch.device("cpu"), cpu_decode=True)
+    work = [([23, 4, 17, 9], 64), ([0], 1), ([5, 11], 17), ([8, 2, 20], 40)]
+    layout = BatchLayout.build(decode_batch(work), torch.device("cpu"), 16, cpu_decode=True)
     q = torch.randn(4, 4, 32, generator=g).to(dtype)  # [D, heads, head_dim]
     before = attention_paths()["decode_cpu"]
     got = decode_attention(q, cache.k[0], cache.v[0], layout)
     assert attention_paths()["decode_cpu"] == before + 1
-    want = decode_attention_views(q, cache.k[0], cache.v[0], layout.decode_slot_list,
-                                  layout.decode_lens)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got, dense_reference(q, cache.k[0], cache.v[0], work), **tol)
+    views = decode_attention_views(q, cache.k[0], cache.v[0], layout)  # the fallback path
+    torch.testing.assert_close(views, dense_reference(q, cache.k[0], cache.v[0], work), **tol)
 
 
 @needs_kernel
 def test_decode_kernel_reads_only_each_decodes_keys():
     """NaN everywhere but the keys each decode attends to: a read past them shows."""
-    cache = KVCache(1, 3, 16, 2, 8, torch.float32, torch.device("cpu"), True)
+    cache = KVCache(1, 6, 4, 2, 8, torch.float32, torch.device("cpu"), True)
     k, v = cache.k[0], cache.v[0]
     k.fill_(float("nan"))
     v.fill_(float("nan"))
-    for slot, n in ((2, 5), (0, 16)):
-        k[slot, :n] = torch.randn(n, 2, 8)
-        v[slot, :n] = torch.randn(n, 2, 8)
-    layout = BatchLayout.build(decode_batch([(2, 5), (0, 16)]), torch.device("cpu"), cpu_decode=True)
+    work = [([5, 1], 5), ([0, 3, 2, 4], 16)]
+    for table, n in work:
+        for j in range(n):
+            k[table[j // 4], j % 4] = torch.randn(2, 8)
+            v[table[j // 4], j % 4] = torch.randn(2, 8)
+    layout = BatchLayout.build(decode_batch(work), torch.device("cpu"), 4, cpu_decode=True)
     assert torch.isfinite(decode_attention(torch.randn(2, 2, 8), k, v, layout)).all()
 
 
@@ -62,11 +77,14 @@ def test_decode_kernel_reads_only_each_decodes_keys():
 def test_decode_kernel_refuses_bad_input():
     q, k = torch.randn(1, 2, 8), torch.zeros(2, 4, 2, 8)
     ext = decode_extension()
-    with pytest.raises(RuntimeError, match="out of the cache"):
-        ext.decode_attention(q, k, k, torch.tensor([2], dtype=torch.int32),
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ext.decode_attention(q, k, k, torch.tensor([[2]], dtype=torch.int32),
                              torch.tensor([1], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        ext.decode_attention(q, k, k, torch.tensor([[0]], dtype=torch.int32),
+                             torch.tensor([5], dtype=torch.int32), 1.0)
     with pytest.raises(RuntimeError, match="int32"):
-        ext.decode_attention(q, k, k, torch.tensor([0]), torch.tensor([1]), 1.0)
+        ext.decode_attention(q, k, k, torch.tensor([[0]]), torch.tensor([1]), 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

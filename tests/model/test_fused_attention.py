@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from conftest import slot_tables
 from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.model import attention
@@ -32,7 +33,7 @@ def make_worker(path, device="cpu", dtype="float32", **runtime) -> StageWorker:
 
 
 def run(worker: StageWorker, seqs) -> torch.Tensor:
-    hidden, _ = worker.forward(MicroBatch(0, tuple(seqs)), None)
+    hidden, _ = worker.forward(MicroBatch(0, slot_tables(seqs, worker.cfg)), None)
     return worker.model.logits(hidden).cpu()  # [num_tokens, vocab] float32
 
 
@@ -83,9 +84,9 @@ def test_the_old_3d_call_cannot_run_on_the_flash_kernel():
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         with pytest.raises(RuntimeError, match="No available kernel"):
             F.scaled_dot_product_attention(q, k[:, :n], v[:, :n], is_causal=True, enable_gqa=True)
-        k_cache = k.transpose(0, 1)[None]  # [1 slot, start + n, kv_heads, head_dim]
+        k_cache = k.transpose(0, 1)[None]  # [1 block of start + n, kv_heads, head_dim]
         v_cache = v.transpose(0, 1)[None]
-        span = attention.PrefillSpan(slice(0, n), 0, start)
+        span = attention.PrefillSpan(slice(0, n), torch.tensor([0]), start)
         new = attention.prefill_attention(q.transpose(0, 1), k_cache, v_cache, span)
     torch.testing.assert_close(new.transpose(0, 1), old)
 
@@ -233,20 +234,23 @@ def test_cuda_dense_mask_is_refused_by_flash_but_lower_right_is_not():
 @cuda
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_cuda_varlen_decode_equals_per_decode_views(kv_heads):
-    """The real varlen kernel against one SDPA call per decode, on a cache of 16 slots with
-    decodes in 7 of them (out of order, lengths 1 to 1000), with and without GQA."""
+    """The real varlen kernel against one SDPA call per decode, on a cache of 1024 blocks
+    of 16 with decodes whose tables are scattered over it (lengths 1 to 1000), with and
+    without GQA."""
     from pp_runtime.model.attention import BatchLayout, decode_attention, decode_attention_views
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    k_cache, v_cache = (torch.randn(16, 1024, kv_heads, 64, generator=g, device="cuda",
+    k_cache, v_cache = (torch.randn(1024, 16, kv_heads, 64, generator=g, device="cuda",
                                     dtype=torch.float16) for _ in range(2))
-    slots, lens = [9, 2, 15, 0, 7, 3, 12], [1000, 1, 17, 512, 256, 999, 64]
-    mb = MicroBatch(0, tuple(SeqChunk(i, s, n - 1, (0,), None, is_decode=True)
-                             for i, (s, n) in enumerate(zip(slots, lens))))
-    layout = BatchLayout.build(mb, torch.device("cuda"))
-    q = torch.randn(7, 8, 64, generator=g, device="cuda", dtype=torch.float16)  # slot order
+    lens = [1000, 1, 17, 512, 256, 999, 64]
+    order = torch.randperm(1024, generator=torch.Generator().manual_seed(1)).tolist()
+    tables = [order[64 * i:64 * (i + 1)] for i in range(7)]
+    mb = MicroBatch(0, tuple(SeqChunk(i, t, n - 1, (0,), None, is_decode=True)
+                             for i, (t, n) in enumerate(zip(tables, lens))))
+    layout = BatchLayout.build(mb, torch.device("cuda"), 16)
+    q = torch.randn(7, 8, 64, generator=g, device="cuda", dtype=torch.float16)
     before = attention_paths()
     got = decode_attention(q, k_cache, v_cache, layout)
     assert calls_since(before) == {"decode_varlen": 1}
-    want = decode_attention_views(q, k_cache, v_cache, layout.decode_slot_list, layout.decode_lens)
+    want = decode_attention_views(q, k_cache, v_cache, layout)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

@@ -3,6 +3,7 @@ the logits it gets alone: the fused linear layers mix rows, attention must not."
 import pytest
 import torch
 
+from conftest import slot_tables
 from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
 from pp_runtime.config import Config, load_model_config
 from pp_runtime.worker import StageWorker
@@ -16,7 +17,7 @@ def worker(family: str) -> StageWorker:
 
 
 def logits(w, seqs):
-    hidden, _ = w.forward(MicroBatch(0, tuple(seqs)), None)
+    hidden, _ = w.forward(MicroBatch(0, slot_tables(seqs, w.cfg)), None)
     return w.model.logits(hidden)
 
 

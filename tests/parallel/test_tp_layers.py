@@ -17,14 +17,14 @@ import queue
 import socket
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_blocks
 from pp_runtime.model.attention import BatchLayout
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.loader import load_stage_weights, model_config_from_hf, read_hf_config
@@ -82,10 +82,12 @@ def build(job: Job, par) -> StageModel:
 def hybrid_logits(model: StageModel, tp: int) -> torch.Tensor:
     """Logits [2 + 15, vocab] of every row of the hybrid micro-batch."""
     m, cpu = model.cfg, torch.device("cpu")
-    cache = KVCache(model.hi - model.lo, 3, 32, m.kv_heads // tp, m.head_dim, torch.float32, cpu)
+    cache = KVCache(model.hi - model.lo, 3 * 2, 16, m.kv_heads // tp, m.head_dim, torch.float32,
+                    cpu)  # 3 contexts of 2 blocks of 16 positions
     g = torch.Generator().manual_seed(5)  # hidden states from a (pretend) previous stage
     for mb in micro_batches():
-        layout = BatchLayout.build(mb, cpu)
+        seqs = tuple(replace(s, blocks=slot_blocks(s.blocks, 2)) for s in mb.seqs)
+        layout = BatchLayout.build(MicroBatch(mb.mb_id, seqs), cpu, 16)
         x = (torch.tensor([t for s in mb.seqs for t in s.token_ids]) if model.is_first
              else torch.randn(mb.num_tokens, m.hidden_size, generator=g))  # [T] or [T, hidden]
         logits = model.logits(model(x, cache, layout))  # [T, vocab]

@@ -8,6 +8,10 @@ from pp_runtime.request import Request, SamplingParams
 
 
 def planner(name: str, **overrides):
+    """A planner of `Config()` with overrides. The hand-computed schedules of the policy
+    tests admit by whole contexts (`paged: false`, the paper's slots) unless a test asks
+    for the paged cache; test_blocks.py computes paged schedules."""
+    overrides.setdefault("paged", False)
     return make_planner(Config().with_overrides(planner=name, **overrides))
 
 

@@ -57,7 +57,7 @@ def test_request_level_keeps_slots_until_the_group_ends():
     p = planner("request-level", max_batch_size=2, kv_slots=2)
     three(p)
     p.schedule(0.0)
-    assert len(p.free_slots) == 0 and [r.request_id for r in p.waiting] == [2]
+    assert p.kv.pool.num_free == 0 and [r.request_id for r in p.waiting] == [2]
 
 
 def test_requests_wait_for_their_arrival():

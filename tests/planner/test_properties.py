@@ -1,9 +1,11 @@
-"""Rules every policy keeps, checked by hypothesis over random workloads and pp in
-{1, 2, 4, 8}: one in-flight micro-batch per request (with chunk pipelining, several only
-as consecutive prefill chunks; a decode never beside its request's own chunk or token in
-flight), at most B sequences, KV slots never
-shared or exceeded, FCFS admission, every prompt token scheduled once and in order,
-decode positions consecutive, every request finished with a reason."""
+"""Rules every policy keeps, checked by hypothesis over random workloads, pp in
+{1, 2, 4, 8} and KV pools from one context up (paged or whole contexts): one in-flight
+micro-batch per request (with chunk pipelining, several only as consecutive prefill chunks;
+a decode never beside its request's own chunk or token in flight), at most B sequences,
+no KV block owned twice and every block back in the pool at the end, a sequence's blocks
+cover its positions, FCFS admission, every token scheduled once and in order since the
+request's last preemption (a preempted one starts again from 0), every request finished
+with a reason and the tokens it would have had without preemption."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,11 +25,15 @@ workloads = st.lists(
 @given(work=workloads, pp=st.sampled_from([1, 2, 4, 8]), batch=st.integers(1, 9),
        chunk=st.sampled_from([16, 64, 256]), tile_align=st.booleans(),
        slots=st.one_of(st.none(), st.integers(1, 12)), eos_every=st.integers(2, 50),
-       pipelining=st.booleans())
-def test_policy_rules(name, work, pp, batch, chunk, tile_align, slots, eos_every, pipelining):
+       pipelining=st.booleans(), paged=st.booleans(), block_size=st.sampled_from([1, 4, 16]),
+       extra_blocks=st.one_of(st.none(), st.integers(0, 200)))
+def test_policy_rules(name, work, pp, batch, chunk, tile_align, slots, eos_every, pipelining,
+                      paged, block_size, extra_blocks):
+    blocks = None if extra_blocks is None or not paged else 512 // block_size + extra_blocks
     p = planner(name, pp=pp, num_layers=8, max_batch_size=batch, chunk_size=chunk,
                 tile_size=16, tile_align=tile_align, kv_slots=slots, eos_token_id=EOS,
-                max_positions=512, chunk_pipelining=pipelining)
+                max_positions=512, chunk_pipelining=pipelining, paged=paged,
+                block_size=block_size, num_blocks=blocks)
     arrival = 0.0
     for rid, (prompt, max_tokens, gap) in enumerate(work):
         arrival += gap
@@ -64,6 +70,7 @@ def test_policy_rules(name, work, pp, batch, chunk, tile_align, slots, eos_every
     p.schedule, p.on_result = schedule, on_result
     log = drive(p, pp, token)
     assert log == checked and not p.running and not p.waiting
+    assert p.kv.pool.num_free == p.kv.pool.num_blocks  # every block back
 
     first_seen = []
     for mb in log:
@@ -74,15 +81,16 @@ def test_policy_rules(name, work, pp, batch, chunk, tile_align, slots, eos_every
 
     for rid, (prompt, max_tokens, _) in enumerate(work):
         req = p.requests[rid]
-        seqs = [s for mb in log for s in mb.seqs if s.request_id == rid]
+        seqs = last_run([s for mb in log for s in mb.seqs if s.request_id == rid])
+        assert req.num_preemptions or all(s.start for s in seqs[1:])  # one run unless preempted
         chunks = [s for s in seqs if not s.is_decode]
         decodes = [s for s in seqs if s.is_decode]
-        # every prompt token exactly once, in order
-        assert [t for s in chunks for t in range(s.start, s.kv_len)] == list(range(prompt))
-        assert [s.start for s in decodes] == list(range(prompt, prompt + len(decodes)))
+        known = req.prefill_len  # the prompt, and what it had generated when last preempted
+        assert [t for s in chunks for t in range(s.start, s.kv_len)] == list(range(known))
+        assert [s.start for s in decodes] == list(range(known, known + len(decodes)))
         assert req.finish_reason in ("length", "eos")
         out = req.output_token_ids
-        assert 1 <= len(out) <= max_tokens and len(out) == len(decodes) + 1
+        assert 1 <= len(out) <= max_tokens and len(out) == known - prompt + len(decodes) + 1
         if req.finish_reason == "eos":
             assert out[-1] == EOS and EOS not in out[:-1]
         else:
@@ -90,14 +98,24 @@ def test_policy_rules(name, work, pp, batch, chunk, tile_align, slots, eos_every
         assert req.first_token_s is not None and req.finish_s >= req.first_token_s >= req.arrival_s
 
 
+def last_run(seqs):
+    """The sequences since the request last started again from position 0."""
+    starts = [i for i, s in enumerate(seqs) if s.start == 0]
+    return seqs[starts[-1]:] if starts else seqs
+
+
 def check_microbatch(p, mb, name, batch, chunk, tile_align, num_slots):
     ids = [s.request_id for s in mb.seqs]
     assert len(ids) == len(set(ids)) and 1 <= len(ids) <= batch
-    assert len(p.running) <= num_slots
-    slots = [r.slot for r in p.running]
-    assert len(slots) == len(set(slots)) and all(0 <= s < num_slots for s in slots)
+    kv = p.kv
+    assert kv.paged or len(p.running) <= num_slots
+    owned = [b for r in p.requests.values() if r.blocks is not None for b in r.blocks]
+    assert len(owned) == len(set(owned)) and all(0 <= b < kv.pool.num_blocks for b in owned)
+    assert len(owned) + kv.pool.num_free == kv.pool.num_blocks  # nothing lost
+    assert all(r.blocks is None for r in p.waiting)
     for s in mb.seqs:
-        assert s.slot == p.requests[s.request_id].slot
+        assert s.blocks is p.requests[s.request_id].blocks
+        assert len(s.blocks) * kv.block_size >= s.kv_len
     prefills = [s for s in mb.seqs if not s.is_decode]
     if name in ("sarathi", "orca-best"):
         assert len(prefills) <= 1
@@ -110,6 +128,6 @@ def check_microbatch(p, mb, name, batch, chunk, tile_align, num_slots):
         assert mb.num_tokens <= limit
     if name in ("orca-best", "orca-worst", "vllm", "request-level"):  # whole prefills
         for s in prefills:
-            assert s.start == 0 and s.kv_len == p.requests[s.request_id].prompt_len
+            assert s.start == 0 and s.kv_len == p.requests[s.request_id].prefill_len
     if name in ("orca-worst", "vllm", "request-level"):  # prefills and decodes never mix
         assert not prefills or len(prefills) == len(mb.seqs)
