@@ -81,7 +81,7 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     num_preemptions: int = 0  # times its blocks were taken back (it then computes again)
-    num_recomputed: int = 0  # prefill tokens computed again after a preemption
+    num_recomputed: int = 0  # computed tokens whose KV a preemption dropped (to compute again)
     num_cached: int = 0  # prefill tokens found in the prefix cache, not computed
     num_keyed: int = 0  # positions [0, num_keyed) are in keyed blocks (prefix caching)
     last_key: bytes = b""  # the prefix cache's key of the last keyed block
@@ -134,6 +134,7 @@ class Request:
     def preempted(self) -> None:
         """Its blocks were taken back: compute everything known again, from position 0."""
         self.num_preemptions += 1
+        self.num_recomputed += self.num_computed
         self.prefill_len = self.prompt_len + len(self.output_token_ids)
         self.num_scheduled = self.num_computed = self.num_keyed = 0
         self.last_key = b""

@@ -134,30 +134,30 @@ class BasePlanner:
 
     def place(self, seqs: list[SeqChunk]) -> list[SeqChunk]:
         """Give every decode that enters a new block that block. When none is free, preempt
-        the most recently admitted request that is not in flight (possibly the decode's own,
-        which then leaves this micro-batch) until one is."""
+        the most recently admitted request not in flight (its sequences leave this
+        micro-batch; it may be the decode's own request) until one is."""
         kv, requests = self.kv, self.requests
         if not kv.paged:  # a whole context was reserved at admission
             return seqs
-        out = []
+        first: dict[int, int] = {}  # request -> start of its first sequence here
+        for s in seqs:
+            first.setdefault(s.request_id, s.start)
+        out, dropped = [], set()
         for s in seqs:
             req = requests[s.request_id]
-            if not kv.grow(req, s.kv_len):
-                req.num_scheduled = s.start  # not in this micro-batch after all
-                while True:
-                    victim = self.victim()
-                    self.preempt(victim)
-                    if victim is req or kv.grow(req, s.kv_len):
-                        break
-                if victim is req:
-                    continue
-                req.num_scheduled = s.kv_len
-            out.append(s)
-        return out
+            while s.request_id not in dropped and not kv.grow(req, s.kv_len):
+                victim = self.victim(first)
+                self.preempt(victim)
+                dropped.add(victim.request_id)
+            if s.request_id not in dropped:
+                out.append(s)
+        return [s for s in out if s.request_id not in dropped] if dropped else out
 
-    def victim(self) -> Request:
-        """The request to preempt: the most recently admitted one not in flight."""
-        return next(r for r in reversed(self.running) if r.num_scheduled == r.num_computed)
+    def victim(self, first: dict[int, int]) -> Request:
+        """The request to preempt: the most recently admitted one with nothing in flight but
+        its sequences in the micro-batch being placed (`first`: where they start)."""
+        return next(r for r in reversed(self.running)
+                    if r.num_computed == first.get(r.request_id, r.num_scheduled))
 
     def preempt(self, req: Request) -> None:
         """Take its blocks back; it waits again first in line, to compute all it knows."""
@@ -175,8 +175,6 @@ class BasePlanner:
         for s in mb.seqs:
             req = requests[s.request_id]
             req.num_computed += len(s.token_ids)
-            if req.num_preemptions and not s.is_decode:
-                req.num_recomputed += len(s.token_ids)
             if keyed:
                 self.kv.key_computed(req)
             if s.sampling is None:
