@@ -122,7 +122,8 @@ class Request:
         tokens = self.output_token_ids if self.finished else list(self.output_token_ids)
         return RequestOutput(self.request_id, self.prompt_token_ids, tokens,
                              self.finish_reason, self.arrival_s, self.first_token_s, self.finish_s,
-                             error if self.finish_reason == FinishReason.ERROR else None)
+                             error if self.finish_reason == FinishReason.ERROR else None,
+                             self.num_cached, self.num_preemptions)
 
     def token_range(self, start: int, end: int) -> tuple[int, ...]:
         """Token ids at positions [start, end) (prompt, then generated tokens)."""
@@ -197,6 +198,8 @@ class RequestOutput:
     first_token_s: float | None
     finish_s: float | None
     error: str | None = None  # what failed, when finish_reason is ERROR
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
+    num_preemptions: int = 0  # times its KV was taken back and computed again
 
 
 def check_requests(prompt_token_ids: object, params: object, arrival_s: object,

@@ -6,6 +6,7 @@ import torch
 from conftest import slot_tables
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.batch import MicroBatch, SeqChunk
+from pp_runtime.planner import PLANNERS
 
 PROMPT_LENS = (23, 9, 40, 17)
 NEW_TOKENS = 12
@@ -57,6 +58,45 @@ def test_prefill_logits_equal_transformers(hf_checkpoint):
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(torch.cat(ours), ref, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+def test_greedy_tokens_survive_preemption(hf_checkpoint, planner):
+    """A pool of 16 blocks of 4 positions (64 tokens: one request's context) for four
+    requests: they are preempted and computed again, several times, and every token is
+    still transformers' greedy one."""
+    family, model, path = hf_checkpoint
+    prompts = make_prompts(model.config.vocab_size)
+    llm = LLM.from_pretrained(path, planner=planner, chunk_size=8, max_batch_size=3,
+                              max_seq_len=64, block_size=4, num_blocks=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS)
+    if planner != "request-level":  # its groups hold their whole length from admission
+        assert sum(o.num_preemptions for o in outs) >= 1
+
+
+def test_prefix_cache_hits_give_the_tokens_of_misses(hf_checkpoint):
+    """Prompts sharing a 24-token prefix, one call after another on one engine with prefix
+    caching: later calls find the prefix's blocks cached, and the tokens equal
+    transformers'. Then a pool too small to keep them: evicted blocks are recomputed,
+    nothing is lost."""
+    family, model, path = hf_checkpoint
+    g = torch.Generator().manual_seed(9)
+    shared = torch.randint(1, model.config.vocab_size, (24,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist()
+               for n in (5, 9, 3)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [hf_greedy(model, p, 6) for p in prompts]
+    for blocks, hits in ((64, True), (16, False)):
+        llm = LLM.from_pretrained(path, chunk_size=8, max_seq_len=64, block_size=4,
+                                  num_blocks=blocks, prefix_caching=True)
+        outs = [llm.generate([p], params)[0] for p in prompts]
+        assert [o.token_ids for o in outs] == want
+        assert outs[0].num_cached_tokens == 0
+        if hits:
+            assert [o.num_cached_tokens for o in outs[1:]] == [24, 24]
+        llm.shutdown()
 
 
 def test_pytorch_bin_checkpoint_loads(tmp_path):
