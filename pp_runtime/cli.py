@@ -28,7 +28,8 @@ import yaml
 from pp_runtime import interrupt
 from pp_runtime.config import CheckpointError, Config, ConfigError, load_config
 from pp_runtime.errors import WorkerFailed
-from pp_runtime.memory import memory_plan
+from pp_runtime.memory import kv_capacity, memory_plan
+from pp_runtime.workload import generate as generate_workload
 from pp_runtime.driver import ExecutorFailed
 from pp_runtime.request import InvalidRequestError, SamplingParams
 from pp_runtime.cli_run import (RUN_DEFAULT_CONFIG, describe_microbatch, kv_cache_text,
@@ -184,10 +185,13 @@ def cmd_memory(args) -> int:
     if args.device_memory_gb is not None and not args.device_memory_gb > 0:
         raise ConfigError(f"--device-memory-gb: must be > 0, got {args.device_memory_gb}")
     cfg = _config(args)
-    plan = memory_plan(cfg, args.device_memory_gb)
+    gb = args.device_memory_gb if args.device_memory_gb is not None else cfg.cache.device_memory_gb
     print(f"{cfg.model.name}: tp={cfg.parallel.tp} pp={cfg.parallel.pp}, "
           f"utilization {cfg.cache.memory_utilization}")
-    print(plan.summary())
+    if gb is not None:  # the paper's formula needs a device size; the blocks do not
+        print(memory_plan(cfg, gb).summary())
+    lengths = [s.prompt_len + s.output_len for s in generate_workload(cfg.workload)]
+    print(kv_capacity(cfg, lengths, gb).summary())
     return 0
 
 

@@ -147,6 +147,45 @@ def kv_blocks(cfg: Config) -> int:
     return min(s.blocks_that_fit(usable) for s in one)
 
 
+@dataclass(frozen=True)
+class KVCapacity:
+    """What one stage's KV memory holds, paged and as whole contexts, for a workload."""
+
+    blocks: int  # KV blocks per stage (the stage with the least room sets it)
+    block_size: int
+    slots: int  # whole contexts of max_seq_len that the same memory holds
+    mean_tokens: float  # the workload's mean request, prompt + output
+    mean_blocks: float  # blocks that request holds when it ends
+    pp: int
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight, paged, at the workload's mean length."""
+        return math.floor(self.blocks / self.mean_blocks) if self.mean_blocks else 0
+
+    def summary(self) -> str:
+        ratio = f"{self.in_flight / self.slots:.2f}x" if self.slots else "n/a"
+        return (f"paged KV: {self.blocks} blocks of {self.block_size} tokens per stage; the "
+                f"workload's mean request ({self.mean_tokens:.0f} tokens, {self.mean_blocks:.1f} "
+                f"blocks) -> {self.in_flight} requests in flight ({self.in_flight // self.pp} "
+                f"per micro-batch), against {self.slots} whole contexts in the same memory "
+                f"({ratio})")
+
+
+def kv_capacity(cfg: Config, lengths: list[int], device_memory_gb: float | None = None
+                ) -> KVCapacity:
+    """Blocks per stage (from `device_memory_gb` if given, else the config's pool) and the
+    requests in flight at the mean of `lengths` (prompt + output of each request)."""
+    if device_memory_gb is not None:
+        cfg = cfg.with_overrides(paged=True, num_blocks="auto", device_memory_gb=device_memory_gb)
+    bs = cfg.cache.block_size
+    blocks = kv_blocks(cfg)
+    mean_tokens = sum(lengths) / len(lengths) if lengths else 0.0
+    mean_blocks = sum(-(-n // bs) for n in lengths) / len(lengths) if lengths else 0.0
+    return KVCapacity(blocks, bs, blocks // -(-cfg.seq_len // bs), mean_tokens, mean_blocks,
+                      cfg.parallel.pp)
+
+
 def smallest_deployment(cfg: Config, usable_bytes: float,
                         dtype_bytes: int) -> tuple[int, int] | None:
     """The fewest GPUs (tp, pp) whose every stage holds its weights and the KV of this

@@ -74,6 +74,19 @@ def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, monkeyp
         + ([f"send to {r + tp}"] if r < (pp - 1) * tp else []) for r in range(tp * pp)]
 
 
+def test_tp2_pp2_greedy_survives_preemption(hf_checkpoint):
+    """TP2 x PP2 with a pool of one context (16 blocks of 4) for five requests: they are
+    preempted and recomputed, every stage reads the planner's block tables, and the tokens
+    are the single-process run's."""
+    family, _, path = hf_checkpoint
+    reference, _, _ = generate(path, executor="local", pp=1)
+    with LLM.from_pretrained(path, **PLAN, tp=2, pp=2, max_seq_len=64, block_size=4,
+                             num_blocks=16) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.num_preemptions for o in outs) >= 1
+
+
 @pytest.mark.parametrize("hf_checkpoint", ["gpt", "llama"], indirect=True)
 def test_an_uneven_layer_split_is_token_exact_against_transformers(hf_checkpoint):
     """parallel.layer_split on Ray PP=2, 3 layers cut 1 + 2 (the even split is 2 + 1): each
