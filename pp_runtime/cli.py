@@ -314,6 +314,8 @@ def cmd_serve(args) -> int:
 
     overrides = parse_overrides(args.set)
     base = run_base_config(args)
+    if not args.no_prefix_cache and base.cache.paged:  # serving's default; --set wins
+        base = base.with_overrides(prefix_caching=True)
     cfg = base.with_overrides(**overrides) if overrides else base.validate()
     if args.max_waiting < 0:
         raise ConfigError(f"--max-waiting must be >= 0, got {args.max_waiting}")
@@ -433,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, default=1024,
                      help="requests allowed to wait for a KV slot; beyond it 429 with "
                           "Retry-After (default 1024)")
+    srv.add_argument("--no-prefix-cache", action="store_true",
+                     help="do not reuse the KV blocks of prompt prefixes already computed "
+                          "(prefix caching is on by default when serving)")
     srv.set_defaults(func=cmd_serve)
 
     from pp_runtime.bench import add_serve_parser  # `pp-runtime bench serve` (pp_runtime/bench.py)

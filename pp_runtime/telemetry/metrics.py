@@ -39,6 +39,8 @@ class Metric(str, Enum):
     IN_FLIGHT = "pp_runtime_microbatches_in_flight"  # submitted, result not back yet
     QUEUE_DEPTH = "pp_runtime_queue_depth"  # arrived requests waiting for a KV slot
     MB_TOKENS = "pp_runtime_microbatch_tokens"  # per micro-batch; kind=prefill|decode
+    PREEMPTIONS = "pp_runtime_preemptions"  # KV taken back from a request (counted as it ends)
+    PREFIX_HIT_TOKENS = "pp_runtime_prefix_cache_hit_tokens"  # prompt tokens not computed
 
 
 class Kind(str, Enum):
@@ -90,6 +92,10 @@ SPECS: dict[Metric, Spec] = {
     Metric.QUEUE_DEPTH: Spec(Kind.GAUGE, "Requests that arrived and wait for a KV slot", _RUN),
     Metric.MB_TOKENS: Spec(Kind.HISTOGRAM, "Tokens per micro-batch: prefill tokens "
                            "(kind=prefill) and decodes (kind=decode)", _RUN + ("kind",), _TOKENS),
+    Metric.PREEMPTIONS: Spec(Kind.COUNTER, "Times a request's KV blocks were taken back to "
+                             "make room (it computes them again), counted when it ends", _RUN),
+    Metric.PREFIX_HIT_TOKENS: Spec(Kind.COUNTER, "Prompt tokens whose KV was found in the "
+                                   "prefix cache (not computed), counted when the request ends", _RUN),
 }
 
 
@@ -228,6 +234,10 @@ class RuntimeMetrics:
         for gap in self._gaps_s.pop(rid, ()):
             self._record(Metric.REQUEST_TBT, gap)
         self._last_token_s.pop(rid, None)
+        if req.num_preemptions:
+            self._record(Metric.PREEMPTIONS, req.num_preemptions)
+        if req.num_cached:
+            self._record(Metric.PREFIX_HIT_TOKENS, req.num_cached)
 
     # ---- to the sink -------------------------------------------------------------------
     def _record(self, metric: Metric, value: float, tags: Mapping[str, str] | None = None) -> None:

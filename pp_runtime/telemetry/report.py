@@ -81,7 +81,8 @@ def build_report(run: RunResult) -> dict[str, Any]:
                          "first_token_s": r.first_token_s, "finish_s": r.finish_s,
                          "bubble_s": request_bubble.get(r.request_id, 0.0),
                          "num_microbatches": num_mbs.get(r.request_id, 0),
-                         "finish_reason": str(r.finish_reason)})
+                         "finish_reason": str(r.finish_reason),
+                         "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions})
     done = [r for r in requests if r["finish_s"] is not None]
     makespan = max((r["finish_s"] for r in done), default=0.0)
     # tokens that ran: prompt tokens that went through the pipeline (all of them unless the
@@ -103,6 +104,8 @@ def build_report(run: RunResult) -> dict[str, Any]:
         "tbt_s": _stats(gaps, ("median", "p99")),
         "num_microbatches": sum(rec.num_microbatches for rec in run.replicas),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in requests)),
+        "preemptions": sum(r["preemptions"] for r in requests),  # KV taken back, recomputed
+        "prefix_cache_hit_tokens": sum(r["cached_tokens"] for r in requests),
         "deployment": {"model": m.name, "tp": p.tp, "pp": p.pp, "dp": p.dp,
                        "gpu": _hardware(cfg) if run.executor == "sim" else (run.device or cfg.runtime.device),
                        "chunk_size": pl.chunk_size, "max_batch_size": pl.max_batch_size},
@@ -116,7 +119,8 @@ def build_report(run: RunResult) -> dict[str, Any]:
 
 
 REQUEST_COLUMNS = ["id", "prompt_tokens", "output_tokens", "arrival_s", "first_token_s",
-                   "finish_s", "bubble_s", "num_microbatches", "finish_reason"]
+                   "finish_s", "bubble_s", "num_microbatches", "finish_reason", "cached_tokens",
+                   "preemptions"]
 
 
 def _write_csv(path: Path, columns: list[str], rows) -> None:

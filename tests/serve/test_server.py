@@ -23,7 +23,8 @@ openai = pytest.importorskip("openai")
 KEY = "test-key"
 NEW = 8
 FLAGS = ["--set", "max_batch_size=1", "--set", "chunk_size=16", "--set", "tile_size=16",
-         "--set", "executor=local", "--set", "threads_per_worker=1", "--max-waiting", "1"]
+         "--set", "executor=local", "--set", "threads_per_worker=1", "--max-waiting", "1",
+         "--set", "max_running=1"]  # one request runs at a time, whatever the KV blocks hold
 
 
 def hf_argmax(model, prompt: list[int], n: int) -> list[int]:
