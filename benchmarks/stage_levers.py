@@ -16,6 +16,12 @@ The sets switch `runtime.prepack` (oneDNN-packed linear weights), `runtime.kv_la
 (heads-major KV cache) and `runtime.cpu_decode_kernel` (every decode in one C++ call per
 layer) on one at a time, then all three, then all three in bfloat16 (an option on CPUs
 with AVX-512 bf16; fp32 stays the default).
+
+Then the paged cache's cost on prefill (`paged_prefill`): the chunk's attention over its
+blocks scattered through the pool (gathered once per layer), against the contiguous path
+the cache had before paging (one slot per request, SDPA on a view of it, no copy), on the
+same keys, for each cache order; the difference is also given as a share of the whole
+hybrid micro-batch.
 """
 from __future__ import annotations
 
@@ -27,9 +33,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_blocks
 from pp_runtime.config import Config
 from pp_runtime.model import attention, transformer
 from pp_runtime.model.cpu_kernels import PackedLinear
@@ -86,9 +94,10 @@ def instrument(worker: StageWorker, split: Split) -> None:
 
 def batches(args) -> dict[str, MicroBatch]:
     greedy = Sampling(0.0, 1.0, 0)
-    decodes = tuple(SeqChunk(i, i, args.context - 1, (7,), greedy, is_decode=True)
-                    for i in range(args.decodes))
-    chunk = SeqChunk(args.decodes, args.decodes, args.context,
+    per = 1024 // 16  # blocks of one 1024-token context (max_seq_len, block_size)
+    decodes = tuple(SeqChunk(i, slot_blocks(i, per), args.context - 1, (7,), greedy,
+                             is_decode=True) for i in range(args.decodes))
+    chunk = SeqChunk(args.decodes, slot_blocks(args.decodes, per), args.context,
                      tuple(range(args.chunk - args.decodes)), None)
     return {"decode": MicroBatch(0, decodes), "hybrid": MicroBatch(1, (chunk, *decodes))}
 
@@ -147,10 +156,71 @@ def main() -> None:
             print(f"{label:<34} {name:<14} {med['total']:8.2f} {med.get('linear', 0):8.2f} "
                   f"{med.get('attention', 0):9.2f} {med.get('lm_head', 0):8.2f} "
                   f"{med['other']:7.2f} {first / med['total']:7.2f}x")
+    hybrid_ms = {r["levers"]: r["total"] for r in rows if r["micro_batch"] == "hybrid"}
+    paged = paged_prefill(args, hybrid_ms)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "stage_levers.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    (out / "stage_levers.json").write_text(json.dumps({"args": vars(args), "rows": rows,
+                                                       "paged_prefill": paged}, indent=1))
     print(f"wrote {out / 'stage_levers.json'}")
+
+
+def contiguous_prefill_attention(q, k_slot, v_slot, start):
+    """The prefill attention before paging: the request's slot [seq_len, kv_heads, head_dim]
+    read as a view (no copy). q: [n, heads, head_dim]."""
+    n = q.shape[0]
+    kv_len = start + n
+    k = k_slot[:kv_len].transpose(0, 1)[None]  # [1, kv_heads, kv_len, head_dim], a view
+    v = v_slot[:kv_len].transpose(0, 1)[None]
+    mask = causal_lower_right(n, kv_len)
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask,
+                                          enable_gqa=True)[0].transpose(0, 1)
+
+
+def paged_prefill(args, hybrid_ms: dict[str, float]) -> list[dict]:
+    """ms for the attention of one prefill chunk over 12 layers: paged (scattered blocks,
+    gathered) against the old contiguous slot (a view), same keys, each cache order."""
+    n, start, bs, layers = args.chunk - args.decodes, args.context, 16, 12
+    kv_len, heads, dim = start + n, 12, 64
+    nb = -(-kv_len // bs)
+    g = torch.Generator().manual_seed(0)
+    table = torch.randperm(4 * nb, generator=g)[:nb]  # scattered through a pool of 4 contexts
+    q = torch.randn(n, heads, dim, generator=g)
+    print(f"\npaged prefill: attention of a {n}-token chunk at position {start} "
+          f"({kv_len} keys, blocks of {bs} scattered), {layers} layers, median of {args.repeats}")
+    rows = []
+    for layout in ("tokens", "heads"):
+        slots = [torch.randn(kv_len, 12, dim, generator=g) for _ in range(2 * layers)]
+        pool = []
+        for t in slots:  # the same keys, in blocks of the paged pool
+            blocks = torch.zeros(4 * nb, 12, bs, dim).transpose(1, 2) if layout == "heads" \
+                else torch.zeros(4 * nb, bs, 12, dim)
+            padded = torch.cat([t, torch.zeros(nb * bs - kv_len, 12, dim)])
+            blocks[table] = padded.view(nb, bs, 12, dim)
+            pool.append(blocks)
+        if layout == "heads":  # the old heads-major slot: [kv_heads, seq, dim], shown permuted
+            slots = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in slots]
+        span = attention.PrefillSpan(slice(0, n), table, start)
+        old_fn = lambda: [contiguous_prefill_attention(q, slots[2 * i], slots[2 * i + 1], start)  # noqa: E731
+                          for i in range(layers)]
+        new_fn = lambda: [attention.prefill_attention(q, pool[2 * i], pool[2 * i + 1], span)  # noqa: E731
+                          for i in range(layers)]
+        torch.testing.assert_close(new_fn()[0], old_fn()[0], atol=1e-5, rtol=1e-5)
+        times = {"contiguous": [], "paged": []}
+        for _ in range(args.repeats + 1):
+            for name, fn in (("contiguous", old_fn), ("paged", new_fn)):
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+        old, new = (statistics.median(times[k][1:]) * 1e3 for k in ("contiguous", "paged"))
+        hybrid = hybrid_ms.get("all") or next(iter(hybrid_ms.values()), None)
+        share = f", {(new - old) / hybrid * 100:+.1f} % of a hybrid micro-batch ({hybrid:.1f} ms)" \
+            if hybrid else ""
+        print(f"  kv_layout {layout:6s}: contiguous {old:7.2f} ms, paged {new:7.2f} ms, "
+              f"paged / contiguous {new / old:.3f}{share}")
+        rows.append({"kv_layout": layout, "contiguous_ms": old, "paged_ms": new,
+                     "hybrid_ms": hybrid})
+    return rows
 
 
 if __name__ == "__main__":
