@@ -79,10 +79,12 @@ def test_tp2_pp2_greedy_survives_preemption(hf_checkpoint):
     preempted and recomputed, every stage reads the planner's block tables, and the tokens
     are the single-process run's."""
     family, _, path = hf_checkpoint
-    reference, _, _ = generate(path, executor="local", pp=1)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    with LLM.from_pretrained(path, **PLAN, executor="local", pp=1) as llm:
+        reference = [o.token_ids for o in llm.generate(PROMPTS, params)]
     with LLM.from_pretrained(path, **PLAN, tp=2, pp=2, max_seq_len=64, block_size=4,
                              num_blocks=16) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+        outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.num_preemptions for o in outs) >= 1
 
