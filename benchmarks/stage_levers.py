@@ -41,6 +41,7 @@ from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_blocks
 from pp_runtime.config import Config
 from pp_runtime.model import attention, transformer
 from pp_runtime.model.cpu_kernels import PackedLinear
+from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.worker import StageWorker
 
 LEVERS = {  # name -> config overrides
@@ -94,7 +95,7 @@ def instrument(worker: StageWorker, split: Split) -> None:
 
 def batches(args) -> dict[str, MicroBatch]:
     greedy = Sampling(0.0, 1.0, 0)
-    per = 1024 // 16  # blocks of one 1024-token context (max_seq_len, block_size)
+    per = 1024 // args.block_size  # blocks of one 1024-token context (max_seq_len)
     decodes = tuple(SeqChunk(i, slot_blocks(i, per), args.context - 1, (7,), greedy,
                              is_decode=True) for i in range(args.decodes))
     chunk = SeqChunk(args.decodes, slot_blocks(args.decodes, per), args.context,
@@ -108,12 +109,14 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, default=8)
     ap.add_argument("--context", type=int, default=600, help="KV length of the decodes")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16, help="cache.block_size")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
     ap.add_argument("--out", default="runs/stage_levers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    base = Config().with_overrides(kv_slots=args.decodes + 1, max_seq_len=1024)
+    base = Config().with_overrides(kv_slots=args.decodes + 1, max_seq_len=1024,
+                                   block_size=args.block_size)
     workers, splits = {}, {}
     for name in args.levers:
         if "bf16" in name and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -192,9 +195,9 @@ def paged_prefill(args, hybrid_ms: dict[str, float]) -> list[dict]:
     for layout in ("tokens", "heads"):
         slots = [torch.randn(kv_len, 12, dim, generator=g) for _ in range(2 * layers)]
         pool = []
-        for t in slots:  # the same keys, in blocks of the paged pool
-            blocks = torch.zeros(4 * nb, 12, bs, dim).transpose(1, 2) if layout == "heads" \
-                else torch.zeros(4 * nb, bs, 12, dim)
+        for t in slots:  # the same keys, in blocks of the paged pool (the worker's layout)
+            blocks = KVCache(1, 4 * nb, bs, 12, dim, torch.float32, torch.device("cpu"),
+                             heads_major=layout == "heads").k[0]
             padded = torch.cat([t, torch.zeros(nb * bs - kv_len, 12, dim)])
             blocks[table] = padded.view(nb, bs, 12, dim)
             pool.append(blocks)

@@ -8,9 +8,10 @@ request's KV takes the blocks its real length needs, not a whole context.
 That shape is what every reader indexes; the memory order under it is the stage's
 `runtime.kv_layout`. "tokens": the shape's own order, so the cache flattens to
 [num_blocks * block_size, kv_heads, head_dim] rows (what the CUDA decode path gathers
-from). "heads": stored [num_blocks, kv_heads, block_size, head_dim] and shown permuted, so
-one head's keys of a block are contiguous and a decode streams them (faster decode
-attention on a CPU core than the strided "tokens" order, bit-identical results).
+from). "heads": stored [kv_heads, num_blocks, block_size, head_dim] and shown permuted, so
+one head's keys are contiguous within a block and across consecutive blocks (the
+allocator hands a prompt's blocks out in a row), and a decode streams them: faster decode
+attention on a CPU core than the strided "tokens" order, bit-identical results.
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  heads_major: bool = False):
         def one() -> torch.Tensor:  # [num_blocks, block_size, kv_heads, head_dim], either order
-            if heads_major:
-                return torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype,
-                                   device=device).transpose(1, 2)
+            if heads_major:  # one head's blocks in a row: [kv_heads, num_blocks, block_size, head_dim]
+                return torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
+                                   device=device).permute(1, 2, 0, 3)
             return torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
                                device=device)
 

@@ -41,13 +41,17 @@ static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
       for (int64_t e = 0; e < dim; ++e) qf[e] = static_cast<float>(qb[e]) * scale;
       score.resize(n);
       float top = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {  // scores: one pass over the keys
-        const T* kr = kh + blocks[j / bs] * ks0 + (j % bs) * ks1;
-        float s = 0.f;
+      for (int64_t blk = 0, j0 = 0; j0 < n; ++blk, j0 += bs) {  // scores: one pass over the keys,
+        const T* kb = kh + blocks[blk] * ks0;                     // block by block (no division per key)
+        const int64_t m = std::min(bs, n - j0);
+        for (int64_t o = 0; o < m; ++o) {
+          const T* kr = kb + o * ks1;
+          float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t e = 0; e < dim; ++e) s += qf[e] * static_cast<float>(kr[e]);
-        score[j] = s;
-        top = std::max(top, s);
+          for (int64_t e = 0; e < dim; ++e) s += qf[e] * static_cast<float>(kr[e]);
+          score[j0 + o] = s;
+          top = std::max(top, s);
+        }
       }
       float total = 0.f;
       for (int64_t j = 0; j < n; ++j) {
@@ -55,11 +59,15 @@ static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
         total += score[j];
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {  // weighted values: one pass over the values
-        const T* vr = vh + blocks[j / bs] * vs0 + (j % bs) * vs1;
-        const float p = score[j];
+      for (int64_t blk = 0, j0 = 0; j0 < n; ++blk, j0 += bs) {  // weighted values: one pass
+        const T* vb = vh + blocks[blk] * vs0;
+        const int64_t m = std::min(bs, n - j0);
+        for (int64_t o = 0; o < m; ++o) {
+          const T* vr = vb + o * vs1;
+          const float p = score[j0 + o];
 #pragma omp simd
-        for (int64_t e = 0; e < dim; ++e) acc[e] += p * static_cast<float>(vr[e]);
+          for (int64_t e = 0; e < dim; ++e) acc[e] += p * static_cast<float>(vr[e]);
+        }
       }
       T* ob = op + (b * heads + h) * dim;
       for (int64_t e = 0; e < dim; ++e) ob[e] = static_cast<T>(acc[e] / total);
