@@ -123,7 +123,7 @@ class Request:
         return RequestOutput(self.request_id, self.prompt_token_ids, tokens,
                              self.finish_reason, self.arrival_s, self.first_token_s, self.finish_s,
                              error if self.finish_reason == FinishReason.ERROR else None,
-                             self.num_cached, self.num_preemptions)
+                             self.num_cached, self.num_preemptions, self.num_recomputed)
 
     def token_range(self, start: int, end: int) -> tuple[int, ...]:
         """Token ids at positions [start, end) (prompt, then generated tokens)."""
@@ -200,6 +200,7 @@ class RequestOutput:
     error: str | None = None  # what failed, when finish_reason is ERROR
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
     num_preemptions: int = 0  # times its KV was taken back and computed again
+    num_recomputed_tokens: int = 0  # computed tokens whose KV a preemption dropped
 
 
 def check_requests(prompt_token_ids: object, params: object, arrival_s: object,

@@ -82,7 +82,8 @@ def build_report(run: RunResult) -> dict[str, Any]:
                          "bubble_s": request_bubble.get(r.request_id, 0.0),
                          "num_microbatches": num_mbs.get(r.request_id, 0),
                          "finish_reason": str(r.finish_reason),
-                         "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions})
+                         "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,
+                         "recomputed_tokens": r.num_recomputed_tokens})
     done = [r for r in requests if r["finish_s"] is not None]
     makespan = max((r["finish_s"] for r in done), default=0.0)
     # tokens that ran: prompt tokens that went through the pipeline (all of them unless the
@@ -105,6 +106,8 @@ def build_report(run: RunResult) -> dict[str, Any]:
         "num_microbatches": sum(rec.num_microbatches for rec in run.replicas),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in requests)),
         "preemptions": sum(r["preemptions"] for r in requests),  # KV taken back, recomputed
+        # tokens computed again after a preemption: compute time that is not first-time work
+        "recomputed_tokens": sum(r["recomputed_tokens"] for r in requests),
         "prefix_cache_hit_tokens": sum(r["cached_tokens"] for r in requests),
         "deployment": {"model": m.name, "tp": p.tp, "pp": p.pp, "dp": p.dp,
                        "gpu": _hardware(cfg) if run.executor == "sim" else (run.device or cfg.runtime.device),
@@ -120,7 +123,7 @@ def build_report(run: RunResult) -> dict[str, Any]:
 
 REQUEST_COLUMNS = ["id", "prompt_tokens", "output_tokens", "arrival_s", "first_token_s",
                    "finish_s", "bubble_s", "num_microbatches", "finish_reason", "cached_tokens",
-                   "preemptions"]
+                   "preemptions", "recomputed_tokens"]
 
 
 def _write_csv(path: Path, columns: list[str], rows) -> None:
@@ -205,6 +208,10 @@ def format_summary(report: dict[str, Any]) -> str:
         f"time between tokens median {_t(tbt['median'])}, p99 {_t(tbt['p99'])}",
         f"  finish reasons: {s['finish_reasons']}",
     ]
+    if s.get("preemptions") or s.get("prefix_cache_hit_tokens"):  # older reports: neither key
+        lines.append(f"  KV cache: {s['preemptions']} preemptions ({s['recomputed_tokens']} tokens "
+                     f"computed again), {s['prefix_cache_hit_tokens']} prompt tokens from the "
+                     "prefix cache")
     if s.get("partial"):  # reports before these keys have neither
         lines.insert(1, f"  PARTIAL: interrupted by {s['interrupted_by']}; the unfinished "
                         "requests ended with finish reason error")

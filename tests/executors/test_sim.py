@@ -191,3 +191,26 @@ def test_route_sends_each_request_to_the_least_loaded_replica():
     # loads (tokens): r0 110 | r1 60 -> r1 100 | tie 110/100? no: r1 60+50=110 after request 2;
     # request 3 ties 110/110 -> r0 (150); request 4 -> r1 (140)
     assert route(specs, 2) == [[0, 3], [1, 2, 4]]
+
+
+@pytest.mark.slow
+def test_ten_thousand_simulated_requests_with_preemptions_each_end_once_whole():
+    """10K decode-heavy requests on a pool of 4 contexts with 16 sequences per micro-batch:
+    requests are preempted thousands of times, and every one still ends once, with
+    exactly its output length, and the report counts the preemptions."""
+    from pp_runtime.config import load_config
+    from pp_runtime.simulate import simulate
+    from pp_runtime.telemetry.report import build_report
+
+    cfg = load_config("paper/gpt3_tp8_pp8", planner="uniform", paged=True, kv_slots=4,
+                      max_batch_size=16, max_seq_len=256, **{
+                          "workload.num_requests": 10_000, "workload.pd_ratio": 1,
+                          "workload.min_len": 16, "workload.max_len": 256})
+    run = simulate(cfg, progress=False)
+    specs = generate(cfg.workload)
+    assert [r.request_id for r in run.requests] == list(range(10_000))
+    assert all(r.finish_reason == "length" for r in run.requests)
+    assert [len(r.token_ids) for r in run.requests] == [s.output_len for s in specs]
+    preempted = sum(r.num_preemptions for r in run.requests)
+    assert preempted > 1000
+    assert build_report(run)["summary"]["preemptions"] == preempted
