@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from pp_runtime import LLM, SamplingParams
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_tables
 from pp_runtime.config import config_from_dict
 
 GREEDY = Sampling(0.0, 1.0, 0)
@@ -126,7 +126,8 @@ def check_hf(family: str, args) -> None:
         ours = []
         with torch.inference_mode():
             for start in range(0, len(p), 32):
-                mb = MicroBatch(0, (SeqChunk(0, 0, start, tuple(p[start:start + 32]), None),))
+                mb = MicroBatch(0, slot_tables([SeqChunk(0, 0, start, tuple(p[start:start + 32]),
+                                                         None)], per_slot(worker.cfg)))
                 hidden, _ = worker.forward(mb, None)
                 ours.append(worker.model.logits(hidden).float())
             ids = torch.tensor([p], device=DEV[0])
@@ -189,6 +190,11 @@ def check_kernels(args) -> None:
 
 
 # ---- the paper's Table 2 -----------------------------------------------------------------
+def per_slot(cfg) -> int:
+    """KV blocks of one whole context: hand-made sequences name contexts (`slot_tables`)."""
+    return -(-cfg.seq_len // cfg.cache.block_size)
+
+
 def llama13b_stage(layers: int, slots: int):
     from pp_runtime.worker import StageWorker
 
@@ -225,7 +231,9 @@ def check_table2(args) -> None:
         "decode-only (4 at 1024 ctx)": dec,
         "hybrid (1021 prefill + 3 decodes)": dec[:3] + (SeqChunk(0, 0, 0, tuple(range(1021)), GREEDY),),
     }
-    ms = {name: cuda_ms(lambda s=seqs: worker.execute(MicroBatch(0, s)), 10) for name, seqs in batches.items()}
+    per = per_slot(cfg)
+    ms = {name: cuda_ms(lambda s=seqs: worker.execute(MicroBatch(0, slot_tables(s, per))), 10)
+          for name, seqs in batches.items()}
     pre, dec_only, hyb = ms.values()
     per_prefill = pre / 4096
     per_decode = dec_only / 4
@@ -246,7 +254,7 @@ def check_timing(args) -> None:
     cfg, worker = llama13b_stage(4, slots=8)
     seqs = tuple(SeqChunk(i + 1, i + 1, 1024, (7,), GREEDY, is_decode=True) for i in range(7)) + \
         (SeqChunk(0, 0, 0, tuple(range(249)), GREEDY),)
-    mb = MicroBatch(0, seqs)
+    mb = MicroBatch(0, slot_tables(seqs, per_slot(cfg)))
     for _ in range(3):
         worker.execute(mb)
     torch.cuda.synchronize()

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_tables
 from pp_runtime.config import Config
 from pp_runtime.worker import StageWorker
 
@@ -45,7 +45,7 @@ def main() -> None:
     batches = {"prefill-only": (chunk,), "decode-only": decodes, "hybrid": decodes + (aligned,)}
 
     def timed(seqs) -> float:
-        mb = MicroBatch(0, seqs)
+        mb = MicroBatch(0, slot_tables(seqs, -(-cfg.seq_len // cfg.cache.block_size)))
         worker.execute(mb)  # warm-up
         samples = []
         for _ in range(args.repeats):

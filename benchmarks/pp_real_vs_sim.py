@@ -39,7 +39,7 @@ def isolated_check(cfg, profile: Path) -> None:
 
     import torch
 
-    from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+    from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_tables
     from pp_runtime.costmodel import build_cost_model
     from pp_runtime.worker import StageWorker
 
@@ -47,8 +47,9 @@ def isolated_check(cfg, profile: Path) -> None:
     local = cfg.with_overrides(executor="local")
     workers = [StageWorker(local, s, torch.device("cpu")) for s in range(cfg.parallel.pp)]
     sampling, kv = Sampling(0.0, 1.0, 0), 400
-    decodes = tuple(SeqChunk(i, i, kv, (1,), sampling, True) for i in range(7))
-    chunk = SeqChunk(7, 7, 256, tuple(range(249)), None)
+    per = -(-cfg.seq_len // cfg.cache.block_size)  # blocks of a whole context
+    decodes = slot_tables([SeqChunk(i, i, kv, (1,), sampling, True) for i in range(7)], per)
+    chunk = slot_tables([SeqChunk(7, 7, 256, tuple(range(249)), None)], per)[0]
     for name, mb, prefills in (("7 decodes at KV 401", MicroBatch(0, decodes), []),
                                ("chunk 249 + 7 decodes", MicroBatch(0, decodes + (chunk,)), [(256, 249)])):
         priced = cost.stage_times(prefills, [kv + 1] * len(decodes))

@@ -6,7 +6,7 @@ tokens into one [num_tokens, hidden] tensor, in this order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,13 @@ def slot_blocks(slot: int, blocks_per_slot: int) -> list[int]:
     """The block table of whole context number `slot` of a pool cut into equal contexts of
     `blocks_per_slot` blocks (how tests, benchmarks and the profiler address the cache)."""
     return list(range(slot * blocks_per_slot, (slot + 1) * blocks_per_slot))
+
+
+def slot_tables(seqs, blocks_per_slot: int) -> tuple["SeqChunk", ...]:
+    """Shorthand for hand-made micro-batches: a SeqChunk whose `blocks` is an int n gets
+    the table of whole context n (`slot_blocks`); the others are kept."""
+    return tuple(replace(s, blocks=slot_blocks(s.blocks, blocks_per_slot))
+                 if isinstance(s.blocks, int) else s for s in seqs)
 
 
 @dataclass(frozen=True)

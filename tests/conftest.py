@@ -18,14 +18,10 @@ LLAMA_SHAPES = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=8,
 
 def slot_tables(seqs, cfg) -> tuple:
     """Test shorthand: a SeqChunk whose `blocks` is an int n means whole context n of the
-    cache (blocks [n * per, (n + 1) * per) with per blocks of max_seq_len tokens)."""
-    from dataclasses import replace
+    cache (`pp_runtime.batch.slot_tables` with the config's blocks per context)."""
+    from pp_runtime.batch import slot_tables as tables
 
-    from pp_runtime.batch import slot_blocks
-
-    per = -(-cfg.seq_len // cfg.cache.block_size)
-    return tuple(replace(s, blocks=slot_blocks(s.blocks, per)) if isinstance(s.blocks, int)
-                 else s for s in seqs)
+    return tables(seqs, -(-cfg.seq_len // cfg.cache.block_size))
 
 
 def hf_model(family: str, **changes):
