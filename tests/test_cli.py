@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pp_runtime.telemetry.report import format_summary, read_report
 
 
@@ -56,6 +58,25 @@ def test_memory_reports_the_papers_batch_size():
     r = cli("memory", "--config", "paper/gpt3_tp8_pp8")
     assert r.returncode == 0, r.stderr
     assert "27 per micro-batch" in r.stdout
+    # the paged pool beside it: blocks per stage and requests in flight at the mean length
+    assert "paged KV: 56209 blocks of 16 tokens per stage" in r.stdout
+    assert "410 requests in flight" in r.stdout and "219 whole contexts" in r.stdout
+
+
+def test_memory_without_a_device_size_prints_the_configs_pool():
+    r = cli("memory", "--config", "cpu/gpt2_pp2")
+    assert r.returncode == 0, r.stderr
+    assert "paged KV: 1024 blocks of 16 tokens per stage" in r.stdout and "16 whole contexts" in r.stdout
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("block_size=24", "error: cache.block_size: 24 is not a power of two"),
+    ("num_blocks=3", "error: cache.num_blocks: 3 blocks of 16 tokens hold less than one request"),
+])
+def test_bad_block_settings_are_one_line_and_exit_2(setting, message):
+    r = cli("run", "--config", "tiny", "--set", setting)
+    assert r.returncode == 2 and r.stderr.startswith(message), r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_a_config_and_a_checkpoint_compose(tmp_path):
