@@ -42,7 +42,8 @@ def free_port() -> int:
 
 
 def sets(d: dict) -> list[str]:
-    return [x for k, v in d.items() for x in ("--set", f"{k}={v}")]
+    text = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731  (YAML booleans)
+    return [x for k, v in d.items() for x in ("--set", f"{k}={text(v)}")]
 
 
 def capacity(label: str, over: dict, args, out: Path) -> dict:
@@ -107,8 +108,8 @@ def main() -> None:
     result, lines = {}, []
     if "capacity" not in args.skip:
         memory = {"kv_slots": args.contexts, "max_batch_size": 8}
-        slots = capacity("slots", {**memory, "paged": "false"}, args, out)
-        paged = capacity("paged", {**memory, "paged": "true"}, args, out)
+        slots = capacity("slots", {**memory, "paged": False}, args, out)
+        paged = capacity("paged", {**memory, "paged": True}, args, out)
         result["capacity"] = {"slots": slots, "paged": paged}
         lines.append(f"capacity at the KV memory of {args.contexts} x 1024 tokens, p99 TBT <= "
                      f"{args.tbt_slo:g} s, median TTFT <= {args.ttft_slo:g} s: slots "
