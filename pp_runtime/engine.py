@@ -45,7 +45,12 @@ class EngineClosed(RuntimeError):
 
 
 class QueueFull(RuntimeError):
-    """`max_waiting` requests already wait for a KV slot: come back later."""
+    """`max_waiting` requests already wait for KV blocks: come back later."""
+
+
+# why a request taken in was refused: it could not be admitted and `max_waiting` requests
+# already waited for KV blocks (it ends aborted, its `Finished.refused` set)
+QUEUE_FULL = "refused: max_waiting requests already wait for KV blocks"
 
 
 @dataclass(eq=False)
@@ -86,7 +91,10 @@ class Engine:
     """`cfg`'s planner and driver loop over `executor` (local, ray, or sim with its clock).
 
     `sink`: where the live metrics go (Ray's, Prometheus', or nowhere); `max_waiting`:
-    requests allowed to wait for a KV slot before `add_request` raises QueueFull;
+    requests allowed to wait for KV blocks (0: none waits), counted after admission, so a
+    burst the free blocks can take is never refused: `add_request` raises QueueFull while
+    that many wait, and one taken in beyond them that cannot be admitted at once ends
+    aborted with error `QUEUE_FULL` (`_refuse_overflow`);
     `thread_init`: run first on the engine thread (torch's per-thread settings);
     `clock`/`sleep`: the driver's (a `VirtualClock` and its `sleep` for the simulator).
     """
@@ -107,6 +115,7 @@ class Engine:
         self._watchers: list[Watcher] = []
         self._ids = itertools.count()
         self._closed = False
+        self._kv_waiting = 0  # requests the planner could not admit (engine thread writes)
         self.failure: BaseException | None = None  # the executor's error, once it failed
         self._thread: threading.Thread | None = None
         self.metrics = _Accounting.for_config(cfg, self._requests, clock,
@@ -148,8 +157,9 @@ class Engine:
                 raise EngineClosed("the engine is closed")
             if request_id is not None and request_id in self._keys:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
-                raise QueueFull(f"{self.max_waiting} requests already wait for a KV slot")
+            if self.max_waiting is not None and self._kv_waiting >= max(1, self.max_waiting):
+                raise QueueFull(f"{self._kv_waiting} requests already wait for KV blocks "
+                                f"(max_waiting {self.max_waiting})")
             rid = next(self._ids)
             now = self.clock()
             arrival = now if arrival_s is None else max(now, arrival_s)
@@ -192,6 +202,10 @@ class Engine:
         """Requests taken in that hold no KV slot yet."""
         with self._cond:
             return sum(1 for o in self._open.values() if o.req.blocks is None)
+
+    def num_queued(self) -> int:
+        """Requests the planner could not admit when it last tried (what `max_waiting` counts)."""
+        return self._kv_waiting
 
     def num_running(self) -> int:
         """Requests that hold a KV slot."""
@@ -243,11 +257,26 @@ class Engine:
             aborts, self._aborts = self._aborts, {}
         for o in arrived:
             planner.add(o.req)
+        if self.max_waiting is not None:
+            self._refuse_overflow(planner, now)
         for rid, (reason, error) in aborts.items():
             o = self._open.get(rid)
             if o is not None and not self._abort_now(planner, o, reason, error, now):
                 with self._cond:  # in the pipeline: again once its micro-batch is back
                     self._aborts.setdefault(rid, (reason, error))
+
+    def _refuse_overflow(self, planner, now: float) -> None:
+        """Admit what the free KV blocks take now; of the arrived requests still waiting,
+        end the newest never-run ones beyond `max_waiting` (QUEUE_FULL). Preempted ones
+        (they have run) always wait."""
+        planner.admit(now)
+        queued = [r for r in planner.waiting if r.arrival_s <= now and r.blocks is None]
+        fresh = [r for r in queued if r.num_preemptions == 0 and not r.output_token_ids]
+        over = min(len(fresh), len(queued) - self.max_waiting)
+        for req in fresh[len(fresh) - over:] if over > 0 else ():
+            self._abort_now(planner, self._open[req.request_id], FinishReason.ABORTED,
+                            QUEUE_FULL, now)
+        self._kv_waiting = len(queued) - max(0, over)
 
     def wait(self) -> bool:
         """Sleep until a request arrives or an abort is asked for; False once closed."""
@@ -356,7 +385,8 @@ class Engine:
                 o.watcher.request_ids.discard(rid)
         self._planner.requests.pop(rid, None)  # ended: nothing refers to it any more
         out = o.req.output(o.error)
-        self._emit(o, Finished(o.key, out, _timing(o, out, self.metrics.take_bubble_s(rid))))
+        self._emit(o, Finished(o.key, out, _timing(o, out, self.metrics.take_bubble_s(rid)),
+                               refused=o.error == QUEUE_FULL))
 
     def _emit(self, o: _Open, event: Event) -> None:
         try:

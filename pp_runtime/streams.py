@@ -34,6 +34,7 @@ class Finished:
     request_id: str
     output: RequestOutput
     timing: RequestTiming
+    refused: bool = False  # aborted unrun: max_waiting requests already waited for KV blocks
 
 
 Event = Token | Finished

@@ -143,12 +143,37 @@ def test_a_full_queue_refuses_and_a_bad_request_runs_nothing():
                                listener=lambda e: first.set())
         assert first.wait(30)
         b = engine.add_request([2] * 10, GREEDY)
+        deadline = time.monotonic() + 30
+        while engine.num_queued() < 1:  # the engine tried to admit it: it waits for KV
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         with pytest.raises(QueueFull):
             engine.add_request([3] * 10, GREEDY)
         assert a.result(30).output.finish_reason == b.result(30).output.finish_reason == "length"
         engine.close()
         with pytest.raises(EngineClosed):
             engine.add_request([1], GREEDY)
+
+
+def test_max_waiting_counts_only_requests_the_kv_blocks_cannot_take():
+    """A burst the free blocks hold is never refused (8 at once on an idle pool of 16
+    contexts with max_waiting 4); max_waiting 0 serves what fits and queues nothing."""
+    with one_slot(kv_slots=16, max_batch_size=8) as llm:
+        engine = Engine(llm.config, llm.executor, max_waiting=4)
+        handles = [engine.add_request([k + 1] * 10, SamplingParams(max_tokens=4, ignore_eos=True))
+                   for k in range(8)]
+        assert [h.result(60).output.finish_reason for h in handles] == ["length"] * 8
+        engine.close()
+    with one_slot() as llm:
+        engine = Engine(llm.config, llm.executor, max_waiting=0)
+        first = threading.Event()
+        a = engine.add_request([1] * 10, SamplingParams(max_tokens=60, ignore_eos=True),
+                               listener=lambda e: first.set())
+        assert first.wait(30)  # served: 0 is no queue, not no service
+        b = engine.add_request([2] * 10, GREEDY).result(30)  # no block free: refused
+        assert b.output.finish_reason == FinishReason.ABORTED and b.refused
+        assert a.result(30).output.finish_reason == "length"
+        engine.close()
 
 
 def test_an_executor_failure_ends_every_open_request_with_error():
