@@ -117,8 +117,9 @@ def cmd_run(args) -> int:
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     out_dir = Path(args.out or f"runs/run-{m.name}-{cfg.planner.planner}")
     stopped = _stopped_by(failed)
-    report = write_report(RunResult(cfg, executor, outputs, [rec], elapsed, device=device,
-                                    interrupted_by=stopped), out_dir)
+    with _report_kept(out_dir):  # a signal now waits for the report, then exits 130 / 143
+        report = write_report(RunResult(cfg, executor, outputs, [rec], elapsed, device=device,
+                                        interrupted_by=stopped), out_dir)
     print(f"\n{n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s "
           f"({(n_in + n_out) / elapsed:.0f} tok/s); {'partial ' * bool(stopped)}reports and "
           f"plots in {out_dir}/")
@@ -127,6 +128,18 @@ def cmd_run(args) -> int:
         failed.report_dir = out_dir
         raise failed
     return 0
+
+
+@contextlib.contextmanager
+def _report_kept(out: Path):
+    """Ctrl-C or SIGTERM while the report is written waits until it is (a few seconds;
+    `interrupt.deferred`), then stops the command with the report in `out`."""
+    try:
+        with interrupt.deferred():
+            yield
+    except KeyboardInterrupt as exc:
+        exc.report_dir = out
+        raise
 
 
 def _stopped_by(exc: BaseException | None) -> str | None:
@@ -217,7 +230,8 @@ def _simulate_to(cfg: Config, out: Path, progress: bool = True) -> dict:
 
     with _partial_report(out):
         run = simulate(cfg, progress=progress)
-    return write_report(run, out)
+    with _report_kept(out):
+        return write_report(run, out)
 
 
 def _run_to(cfg: Config, out: Path, progress: bool = True, checkpoint: str | None = None) -> dict:
@@ -234,7 +248,8 @@ def _run_to(cfg: Config, out: Path, progress: bool = True, checkpoint: str | Non
                                     desc=f"run {cfg.planner.planner}") as bar:
         run = run_workload(cfg, checkpoint,
                            on_microbatch=lambda mb, res: bar.update(len(res.tokens)))
-    return write_report(run, out)
+    with _report_kept(out):
+        return write_report(run, out)
 
 
 def cmd_simulate(args) -> int:
@@ -307,26 +322,6 @@ def cmd_profile(args) -> int:
     print(f"profile of {cfg.model.name} (tp={cfg.parallel.tp}) written to {path}/ in "
           f"{time.perf_counter() - t0:.0f} s; simulate with it: --set hardware.profile={path}")
     return 0
-
-
-def cmd_serve(args) -> int:
-    from pp_runtime.serve.server import serve  # fastapi and uvicorn: only for this command
-
-    overrides = parse_overrides(args.set)
-    base = run_base_config(args)
-    if not args.no_prefix_cache and base.cache.paged:  # serving's default; --set wins
-        base = base.with_overrides(prefix_caching=True)
-    cfg = base.with_overrides(**overrides) if overrides else base.validate()
-    if args.max_waiting < 0:
-        raise ConfigError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    print(what_runs(cfg, args), flush=True)
-    api_key = args.api_key or os.environ.get("PP_RUNTIME_API_KEY") or None
-    try:
-        return serve(cfg, args.checkpoint, args.host, args.port, api_key, args.max_waiting)
-    except KeyboardInterrupt as exc:  # uvicorn stopped cleanly, then re-raised the signal
-        print(f"pp-runtime serve: stopped ({interrupt.reason(exc)}); open requests were "
-              "aborted and the workers released", file=sys.stderr)
-        return interrupt.exit_code(exc)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -414,31 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--quiet", action="store_true", help="no progress bar")
     prof.set_defaults(func=cmd_profile)
 
-    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the pipeline",
-                         description="Serve the model over HTTP with OpenAI's API: "
-                                     "/v1/completions and /v1/chat/completions (stream: true for "
-                                     "server-sent events), /v1/models, /health (200 once every "
-                                     "stage worker is up), /metrics (Prometheus: TTFT, time "
-                                     "between tokens, queue, per-stage busy and bubble by cause). "
-                                     "Listens on 127.0.0.1 unless --host says otherwise. "
-                                     "docs/serving.md")
-    common(srv, f"{RUN_DEFAULT_CONFIG} (2 Ray stage actors); 'default' = all in this process")
-    srv.add_argument("--checkpoint", help="Hugging Face-format model directory; its tokenizer "
-                                          "is used when present (pp=1 unless --set pp=N)")
-    srv.add_argument("--host", default="127.0.0.1",
-                     help="address to listen on (default 127.0.0.1: this machine only; "
-                          "0.0.0.0 opens it to the network: set --api-key)")
-    srv.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on every route but /health "
-                          "(default: $PP_RUNTIME_API_KEY, else no key)")
-    srv.add_argument("--max-waiting", type=int, default=1024,
-                     help="requests allowed to wait for a KV slot; beyond it 429 with "
-                          "Retry-After (default 1024)")
-    srv.add_argument("--no-prefix-cache", action="store_true",
-                     help="do not reuse the KV blocks of prompt prefixes already computed "
-                          "(prefix caching is on by default when serving)")
-    srv.set_defaults(func=cmd_serve)
+    from pp_runtime.serve.command import add_parser as add_serve  # no fastapi import
+    add_serve(sub, common, RUN_DEFAULT_CONFIG)
 
     from pp_runtime.bench import add_serve_parser  # `pp-runtime bench serve` (pp_runtime/bench.py)
     bench = sub.add_parser("bench", help="benchmarks against a running server: load, capacity")
@@ -447,6 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ray's C++ core worker would take SIGTERM over in this process (a stack dump, then
+    # SIGABRT 3 s later) even when ray.init runs off the main thread (serve), where no
+    # Python handler can be put back; its switch is read when ray is imported: set it first
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     with interrupt.handled():  # SIGTERM ends a command as Ctrl-C does (pp_runtime/interrupt.py)
         args = build_parser().parse_args(argv)
         debug = args.debug or os.environ.get("PP_RUNTIME_DEBUG", "") not in ("", "0")

@@ -99,6 +99,10 @@ class StageActor:
         tokens = out.tokens if isinstance(out, SampledTokens) and self.tp_rank == 0 else None
         return tokens, timing
 
+    def ping(self) -> bool:
+        """The liveness probe's call: answering is the proof of life."""
+        return True
+
     def sleep(self, seconds: float) -> None:
         """Fault injection for tests: stall this worker's next calls."""
         time.sleep(seconds)
@@ -192,6 +196,19 @@ class RayExecutor:
         results = self._gather(refs, self.cfg.runtime.step_timeout_s, f"micro-batch {mb_id}")
         last = (self.pp - 1) * self.tp  # TP rank 0 of the last stage samples
         return SampledTokens(mb_id, results[last][0], tuple(t for _, t in results))
+
+    def ping(self, timeout_s: float) -> bool:
+        """Ask every actor for a reply (a liveness probe, from any thread): WorkerFailed
+        naming the first that died; False when one is slow to answer (busy: no verdict)."""
+        ray, refs = self.ray, [self._call(i, "ping") for i in range(len(self.actors))]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as exc:  # RayActorError: the actor's process is gone
+                raise WorkerFailed(f"{self._name(refs.index(ref))} is dead: "
+                                   f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        return len(ready) == len(refs)
 
     def _gather(self, refs: list, timeout_s: float, what: str) -> list:
         """ray.get of one ref per actor (rank order), failing fast on the first error and
@@ -307,9 +324,34 @@ def start_ray(address: str | None, workers: int) -> None:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's own switch for 127.0.0.1 only
         os.environ.setdefault("RAY_metrics_report_interval_ms", str(LOCAL_METRICS_INTERVAL_MS))
         owner_only_token()
-        ray.init(address="local",  # a new instance, never a head that `ray start` left running
-                 num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
+        with own_process_group():
+            ray.init(address="local",  # a new instance, never a head that `ray start` left running
+                     num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
+                     _node_ip_address="127.0.0.1", log_to_driver=False)
+
+
+@contextlib.contextmanager
+def own_process_group():
+    """Ray's processes (GCS, raylet, and through the raylet its agents and the stage
+    actors) started inside the block lead a process group of their own: a SIGTERM or
+    SIGINT sent to our process group (Slurm, systemd, a container stop, a terminal) reaches
+    this process only, which then stops them in order (`shutdown_ray`); they no longer die
+    first and leave the driver waiting on a dead GCS. They still die with this process
+    (Ray's PR_SET_PDEATHSIG), and `local_ray_processes` still finds them (descendants)."""
+    from ray._private import services
+
+    popen = services.ConsolePopen
+
+    class OwnGroupPopen(popen):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
 
 
 def owner_only_token() -> Path | None:

@@ -6,9 +6,13 @@
 A request is checked before it is taken in (400 naming the field), then added to the
 engine with a listener that hands its events to this request's asyncio queue; a full
 waiting queue is 429 with Retry-After, a server that is starting or whose pipeline failed
-is 503. A client that goes away (mid-stream, or while waiting for a whole response)
-aborts its request, which frees its KV slot. Every accepted request ends with a finish
-reason: length or stop, or an error body / error event (pipeline failure, shutdown).
+is 503. Before the body is read: the API key (`Bearer`, any case), the content type
+(`application/json`, else 415: a browser's cross-site form or text/plain POST never
+runs) and its size (413 above `max_body_bytes`, from Content-Length before reading it, or
+as it streams in). A client that goes away (mid-stream, or while waiting for a whole
+response) aborts its request at once, which frees its KV blocks. Every accepted request
+ends with a finish reason: length or stop, or an error body / error event (pipeline
+failure, shutdown, refused by a full queue: 429).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from pp_runtime.serve.metrics import ServeMetrics
 from pp_runtime.serve.text import BadText, Codec
 
 RETRY_AFTER_S = 1  # what a 429 / 503 asks the client to wait
-DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is there
+MAX_BODY_MB = 4.0  # default request body limit (`--max-body-mb`): a 1024-token prompt is ~6 KB
 
 
 @dataclass
@@ -44,17 +48,19 @@ class ServeState:
     seed: int  # the runtime seed: unseeded requests draw from seed * 1_000_003 + n
     metrics: ServeMetrics
     api_key: str | None = None
+    max_body_bytes: int = int(MAX_BODY_MB * 2**20)
     engine: Engine | None = None
     codec: Codec | None = None
     error: str | None = None  # why the stages could not start
+    failure: str | None = None  # a stage worker found dead by the liveness probe
     created: int = field(default_factory=lambda: int(time.time()))
     _serial: itertools.count = field(default_factory=itertools.count)
 
     def ready_engine(self) -> Engine:
         """The engine, or 503 while starting, after a failed start or a pipeline failure."""
-        if self.engine is None or not self.engine.healthy:
+        if self.engine is None or not self.engine.healthy or self.failure:
             reason = self.error or ("the stage workers are starting" if self.engine is None
-                                    else f"the pipeline failed: {self.engine.failure}")
+                                    else f"the pipeline failed: {self.failure or self.engine.failure}")
             raise P.ApiError(503, f"not ready: {reason}", type="service_unavailable",
                              headers={"Retry-After": str(RETRY_AFTER_S)})
         return self.engine
@@ -66,7 +72,7 @@ def build_app(state: ServeState, lifespan=None) -> FastAPI:
 
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, exc: P.ApiError):
-        if exc.status in (400, 429, 503):
+        if exc.status in (400, 413, 415, 429, 503):
             state.metrics.refused(exc.status)
         return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
@@ -77,8 +83,9 @@ def build_app(state: ServeState, lifespan=None) -> FastAPI:
     def authorize(request: Request) -> None:
         if state.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), state.api_key.encode()):
             raise P.ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
                              code="invalid_api_key")
 
@@ -86,9 +93,9 @@ def build_app(state: ServeState, lifespan=None) -> FastAPI:
     async def health():
         """200 once every stage worker is up; 503 while starting and after a failure."""
         e = state.engine
-        if state.error or e is None or not e.healthy:
+        if state.error or e is None or not e.healthy or state.failure:
             status = "failed" if state.error else "starting" if e is None else "unhealthy"
-            why = state.error or (str(e.failure) if e is not None and e.failure else None)
+            why = state.error or state.failure or (str(e.failure) if e and e.failure else None)
             return JSONResponse({"status": status, "error": why}, 503)
         return {"status": "ok", "model": state.model, "running": e.num_running(),
                 "waiting": e.num_waiting()}
@@ -121,7 +128,8 @@ def build_app(state: ServeState, lifespan=None) -> FastAPI:
 async def _generate(state: ServeState, request: Request, authorize, chat: bool):
     authorize(request)
     engine = state.ready_engine()
-    body = P.parse(P.ChatRequest if chat else P.CompletionRequest, await request.body())
+    raw = await _read_body(request, state.max_body_bytes)
+    body = P.parse(P.ChatRequest if chat else P.CompletionRequest, raw)
     if body.model != state.model:
         raise P.ApiError(400, f"model {body.model!r} is not served here; this server serves "
                               f"{state.model!r} (GET /v1/models)", "model", code="model_not_found")
@@ -155,6 +163,27 @@ async def _generate(state: ServeState, request: Request, authorize, chat: bool):
         return StreamingResponse(_events(engine, rid, queue, reply), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return await _whole(engine, rid, queue, reply, request)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, if it is JSON (415 otherwise) of at most `limit` bytes (413 otherwise,
+    before reading it: from Content-Length, or as soon as a chunked body passes it)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise P.ApiError(415, f"Content-Type must be application/json, got {kind or 'none'}",
+                         "Content-Type", code="unsupported_media_type")
+    too_big = P.ApiError(413, f"the request body is over the limit of {limit} bytes "
+                              "(--max-body-mb)", "body", code="body_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _prompt_ids(state: ServeState, body, chat: bool) -> list[int]:
@@ -235,6 +264,10 @@ class _Reply:
 def _failure(f: Finished) -> P.ApiError | None:
     """The error a request that did not complete ends with (None when it did)."""
     reason = f.output.finish_reason
+    if f.refused:
+        return P.ApiError(429, "too many requests waiting for KV blocks (--max-waiting); retry "
+                               "later", type="rate_limit_exceeded", code="queue_full",
+                          headers={"Retry-After": str(RETRY_AFTER_S)})
     if reason == FinishReason.ERROR:
         return P.ApiError(500, f"the pipeline failed: {f.output.error}", type="server_error",
                           code="pipeline_failed")
@@ -269,25 +302,32 @@ async def _events(engine: Engine, rid: str, queue: asyncio.Queue, reply: _Reply)
 
 async def _whole(engine: Engine, rid: str, queue: asyncio.Queue, reply: _Reply,
                  request: Request):
-    """Wait for the end; abort if the client goes away meanwhile."""
+    """Wait for the end; abort the moment the client goes away (ASGI's http.disconnect)."""
     finished = None
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
         while finished is None:
-            try:
-                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)  # nobody reads it
-                continue
-            if isinstance(event, Finished):
+            get = asyncio.ensure_future(queue.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                return Response(status_code=499)  # nobody reads it
+            if isinstance(event := get.result(), Finished):
                 finished = event
     finally:
+        gone.cancel()
         if finished is None:
             engine.abort(rid)
     error = _failure(finished)
     if error:
-        return JSONResponse(error.body(), error.status)
+        return JSONResponse(error.body(), error.status, headers=error.headers)
     return reply.whole(finished)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(body: dict) -> str:

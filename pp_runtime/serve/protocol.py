@@ -2,9 +2,11 @@
 
 Requests are pydantic models in strict mode (a `"5"` is not a number, a `1.5` not an int):
 what OpenAI's API would refuse we refuse too, with a 400 whose body names the field
-(`{"error": {"message", "type", "param", "code"}}`). Unknown fields are ignored, as
-clients send extras (`user`, ...); fields we cannot honour (`n` > 1, `logprobs`, `echo`,
-`stop`, ...) are refused rather than silently dropped. Extensions: `ignore_eos` (as vLLM),
+(`{"error": {"message", "type", "param", "code"}}`). Every field is honoured or refused:
+fields we cannot honour (`n` > 1, `logprobs`, `echo`, `stop`, `logit_bias`, `tools`,
+`response_format`, `suffix`, `top_logprobs`, ...) are refused unless they hold their
+default, and an unknown field is refused too; only `IGNORED` fields, which change no
+token, pass unread. Extensions: `ignore_eos` (as vLLM),
 and in every choice and chunk the generated `token_ids`; every response carries the
 request's timing as `pp_runtime`.
 """
@@ -19,7 +21,17 @@ from pp_runtime.engine import RequestTiming
 from pp_runtime.request import FinishReason
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default when a request gives none (0 = greedy)
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 UNSUPPORTED = ("n", "logprobs", "stop", "echo", "best_of", "presence_penalty", "frequency_penalty")
+IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping: no effect on tokens
+# fields we do not implement, each with the values that mean "not used" (accepted)
+DEFAULT_ONLY = {"logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+                "functions": (None, []), "function_call": (None, "none"),
+                "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
+                "suffix": (None, ""), "top_logprobs": (None, 0), "modalities": (None, ["text"]),
+                "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
+                "min_tokens": (None, 0), "repetition_penalty": (None, 1, 1.0),
+                "top_k": (None, -1, 0), "min_p": (None, 0, 0.0)}
 
 
 class ApiError(Exception):
@@ -38,7 +50,7 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -46,10 +58,12 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
-    """The fields both endpoints share."""
+    """The fields both endpoints share; other fields are kept (`model_extra`) and checked
+    against IGNORED and DEFAULT_ONLY by `parse`."""
 
+    model_config = ConfigDict(strict=True, extra="allow")
     model: str
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
     stream: bool = False
@@ -69,15 +83,20 @@ class CompletionRequest(_Sampling):
     best_of: Literal[1] | None = None
 
 
+class ContentPart(_Strict):
+    type: Literal["text"]  # images, audio, files: refused
+    text: str
+
+
 class Message(_Strict):
     role: str
-    content: str | list[dict] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
-        """Its text (content parts of type text, concatenated)."""
+        """Its text (content parts, concatenated)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return "".join(p.text for p in self.content)
 
 
 class ChatRequest(_Sampling):
@@ -90,34 +109,46 @@ class ChatRequest(_Sampling):
 def parse(model: type[_Strict], body: bytes) -> _Strict:
     """The request body as `model`, or ApiError(400) naming the first bad field."""
     try:
-        return model.model_validate_json(body or b"")
+        parsed = model.model_validate_json(body or b"")
     except ValidationError as exc:
-        err = exc.errors()[0]
+        # the most specific error: of a union, the member that got furthest
+        err = max(exc.errors(), key=lambda e: (len(e["loc"]), e["type"] != "extra_forbidden"))
         if err["type"] == "json_invalid":
             raise ApiError(400, f"malformed JSON body: {err['msg']}", "body",
                            code="invalid_json") from None
-        param = _param(err["loc"], model)
+        param = _param(err["loc"], err["type"] == "extra_forbidden")
         what = f"{param}: " if param else "body: "
         if param in UNSUPPORTED:
             what += "only the default is supported here: "
-        raise ApiError(400, what + err["msg"], param or "body") from None
+        msg = "not a field this server knows" if err["type"] == "extra_forbidden" else err["msg"]
+        raise ApiError(400, what + msg, param or "body") from None
+    for name, value in (parsed.model_extra or {}).items():
+        if name in IGNORED or value in DEFAULT_ONLY.get(name, ()):
+            continue
+        why = ("not supported by this server (only its default is accepted)"
+               if name in DEFAULT_ONLY else "not a field this server knows")
+        raise ApiError(400, f"{name}: {why}", name)
+    return parsed
 
 
-def _param(loc: tuple, model: type[_Strict]) -> str | None:
-    """`messages[0].content` from pydantic's loc; union member names dropped."""
+def _param(loc: tuple, extra: bool = False) -> str | None:
+    """`messages[0].content` from pydantic's loc; union member names dropped (the last
+    part kept for an unknown field: `messages[0].name`)."""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not out or part in _fields():
+        elif not out or part in _fields() or (extra and i == len(loc) - 1):
             out += ("." if out else "") + part
+        elif "[" not in part and not part.startswith(("str", "list", "int")):
+            out += "." + part
         else:
-            break  # a union member's name ("str", "list[int]"): not a field
+            continue  # a union member's name ("str", "list[ContentPart]"): not a field
     return out or None
 
 
 def _fields() -> set[str]:
-    return {f for m in (CompletionRequest, ChatRequest, Message, StreamOptions)
+    return {f for m in (CompletionRequest, ChatRequest, Message, StreamOptions, ContentPart)
             for f in m.model_fields}
 
 

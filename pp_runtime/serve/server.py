@@ -3,7 +3,16 @@
 The HTTP port opens first, so `/health` answers while the workers start (503, "starting")
 and turns 200 once every stage is up: Slurm scripts and load balancers wait on it. A start
 that fails is reported at `/health` and in the log, and the server exits with code 1.
-On shutdown (Ctrl-C, SIGTERM) open requests are aborted, then the workers released.
+While it serves, a liveness probe asks every stage worker for a reply every
+`LIVENESS_PROBE_S` when the engine is idle (a busy engine finds a dead worker itself), so
+`/health` turns 503 within seconds of a worker's death even with no traffic.
+
+One shutdown path, whatever sends SIGTERM or SIGINT (the PID or its process group;
+idle, busy or starting): the signal aborts every open request at once (each open stream
+gets an error event and [DONE]), uvicorn closes the port and waits for the connections to
+drain, the workers are released (a local Ray and every actor stopped; Ray's processes are
+in their own process group, so a group signal does not kill them first), and the command
+exits 143 / 130 (`cli.py`).
 """
 from __future__ import annotations
 
@@ -15,6 +24,8 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import uvicorn
+
 from pp_runtime.config import Config, ConfigError
 from pp_runtime.serve.app import ServeState, build_app
 from pp_runtime.serve.metrics import ServeMetrics, TeeSink
@@ -23,13 +34,16 @@ from pp_runtime.telemetry.metrics import deployment_tag
 log = logging.getLogger("pp_runtime.serve")
 
 
-def serve(cfg: Config, checkpoint: str | Path | None, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, max_waiting: int | None = 1024) -> int:
-    """Serve `cfg` until stopped; the exit code (0, or 1 when the workers failed to start)."""
-    import uvicorn
+LIVENESS_PROBE_S = 2.0  # how often an idle server checks that every stage worker answers
+PROBE_TIMEOUT_S = 5.0  # a reply later than this is inconclusive (a busy worker), not a death
 
+
+def serve(cfg: Config, checkpoint: str | Path | None, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, max_waiting: int | None = 1024,
+          max_body_bytes: int = 4 * 2**20) -> int:
+    """Serve `cfg` until stopped; the exit code (0, or 1 when the workers failed to start)."""
     state = ServeState(cfg.model.name, cfg.seq_len, cfg.model.vocab_size, cfg.runtime.seed,
-                       ServeMetrics(deployment_tag(cfg)), api_key)
+                       ServeMetrics(deployment_tag(cfg)), api_key, max_body_bytes)
     stop = threading.Event()
 
     @asynccontextmanager
@@ -45,8 +59,8 @@ def serve(cfg: Config, checkpoint: str | Path | None, host: str = "127.0.0.1", p
 
     sock = _listen(host, port)  # before any worker starts: a taken port fails at once
     port = sock.getsockname()[1]  # --port 0: the one the system picked
-    server = uvicorn.Server(uvicorn.Config(build_app(state, lifespan), host=host, port=port,
-                                           log_level="info", timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(build_app(state, lifespan), host=host, port=port,
+                                    log_level="info", timeout_graceful_shutdown=5), state)
     print(f"pp-runtime serve: {state.model} at http://{host}:{port}/v1 (OpenAI API); "
           f"GET /health turns 200 when every stage is up", flush=True)
     server.run(sockets=[sock])
@@ -54,6 +68,22 @@ def serve(cfg: Config, checkpoint: str | Path | None, host: str = "127.0.0.1", p
         print(f"error: the server could not start: {state.error}", file=sys.stderr)
         return 1
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose stop signal first ends every open request: the graceful
+    shutdown then has no stream to wait for."""
+
+    def __init__(self, config: uvicorn.Config, state: ServeState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        engine = self.state.engine
+        if engine is not None:  # on a thread, not in the signal handler: close() takes a lock
+            threading.Thread(target=engine.close, kwargs={"timeout": 0}, daemon=True,
+                             name="pp-serve-abort").start()
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -97,7 +127,7 @@ def _own_workers(state: ServeState, cfg: Config, checkpoint, max_waiting,
                 else "no tokenizer: text is space-separated token ids")
         print(f"pp-runtime serve: ready in {time.perf_counter() - t0:.1f} s: {cfg.parallel.pp} "
               f"stage(s) x tp {cfg.parallel.tp} on {executor.describe()}; {text}", flush=True)
-        stop.wait()
+        _probe_until(stop, state, executor, engine)
     except Exception as exc:
         log.exception("the stage workers could not start")
         state.error = f"{type(exc).__name__}: {exc}"
@@ -107,3 +137,20 @@ def _own_workers(state: ServeState, cfg: Config, checkpoint, max_waiting,
             state.engine.close(timeout=10.0)  # open requests end aborted
         if executor is not None:
             executor.shutdown()
+
+
+def _probe_until(stop: threading.Event, state: ServeState, executor, engine) -> None:
+    """Until `stop`: while the engine is idle, check every `LIVENESS_PROBE_S` that every
+    stage worker answers (`executor.ping`); a dead one makes `/health` 503 and every new
+    request 503 (`state.failure`). Executors in this process have no ping: nothing to do."""
+    ping = getattr(executor, "ping", None)
+    while not stop.wait(LIVENESS_PROBE_S):
+        if ping is None or state.failure or not engine.healthy:
+            continue
+        if engine.num_running() or engine.num_waiting():
+            continue  # a busy engine finds a dead worker at its next micro-batch
+        try:
+            ping(PROBE_TIMEOUT_S)
+        except Exception as exc:  # WorkerFailed naming the stage and rank
+            state.failure = f"{type(exc).__name__}: {exc}"
+            log.error("liveness probe: %s; /health is 503", state.failure)

@@ -165,7 +165,7 @@ BAD = [  # (path, body, the field the error names)
     ("/v1/completions", {"model": None, "prompt": []}, "prompt"),
     ("/v1/completions", {"model": None, "prompt": ""}, "prompt"),
     ("/v1/completions", {"model": None, "prompt": [1, 300]}, "prompt"),
-    ("/v1/completions", {"model": None, "prompt": [1, "2"]}, "prompt"),
+    ("/v1/completions", {"model": None, "prompt": [1, "2"]}, "prompt[1]"),
     ("/v1/completions", {"model": None, "prompt": [1] * 1000, "max_tokens": 100}, "max_tokens"),
     ("/v1/completions", {"model": None, "prompt": [1] * 1030}, "prompt"),
     ("/v1/completions", {"model": None, "prompt": [1], "max_tokens": 0}, "max_tokens"),
