@@ -94,6 +94,18 @@ class Server:
         self.log_path.unlink(missing_ok=True)
 
 
+def finished_count(server, reason: str) -> float:
+    """Requests the server counted as finished with `reason` (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, _, raw = server.request("GET", "/metrics")
+    for family in text_string_to_metric_families(raw.decode()):
+        if family.name == "pp_runtime_requests_finished":
+            return sum(s.value for s in family.samples
+                       if s.name.endswith("_total") and s.labels["finish_reason"] == reason)
+    return 0.0
+
+
 def _lower(headers) -> dict:
     return {k.lower(): v for k, v in headers.items()}
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import hf_model
-from running_server import Server, next_event
+from running_server import Server, finished_count, next_event
 from test_hf_reference import make_prompts
 
 openai = pytest.importorskip("openai")
@@ -196,17 +196,6 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     err = json.loads(raw)["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     assert err["message"] and set(err) == {"message", "type", "param", "code"}
-
-
-def finished_count(server, reason: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    _, _, raw = server.request("GET", "/metrics")
-    for family in text_string_to_metric_families(raw.decode()):
-        if family.name == "pp_runtime_requests_finished":
-            return sum(s.value for s in family.samples
-                       if s.name.endswith("_total") and s.labels["finish_reason"] == reason)
-    return 0.0
 
 
 def test_a_client_leaving_mid_stream_frees_the_only_slot(server):
