@@ -138,7 +138,7 @@ def _report_kept(out: Path):
         with interrupt.deferred():
             yield
     except KeyboardInterrupt as exc:
-        exc.report_dir = out
+        exc.report_dir, exc.report_written = out, True
         raise
 
 
@@ -433,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
             where = getattr(exc, "report_dir", None)
             print(f"pp-runtime: {interrupt.reason(exc)}: stopped, " + (
-                f"unfinished requests ended with finish reason error; partial report in {where}/"
+                f"after the report was written in {where}/" if getattr(exc, "report_written", False)
+                else f"unfinished requests ended with finish reason error; partial report in {where}/"
                 if where else "nothing was running yet; no report"), file=sys.stderr)
             return interrupt.exit_code(exc)  # 130 for SIGINT, 143 for SIGTERM
 

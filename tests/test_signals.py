@@ -152,8 +152,9 @@ def check_clean_exit(run: Run, code: int, took: float) -> None:
 
 
 @pytest.mark.parametrize("sig, group, code", [(signal.SIGINT, True, 130),
-                                              (signal.SIGTERM, False, 143)],
-                         ids=["ctrl-c", "sigterm"])
+                                              (signal.SIGTERM, False, 143),
+                                              (signal.SIGTERM, True, 143)],
+                         ids=["ctrl-c", "sigterm", "sigterm-group"])  # group: as Slurm sends it
 @pytest.mark.slow
 def test_a_signal_mid_run_ends_a_ray_pipeline_cleanly(tmp_path, sig, group, code):
     run = Run("run", "--config", "cpu/gpt2_pp2", "--out", str(tmp_path))
@@ -191,6 +192,19 @@ def test_sigterm_ends_an_in_process_run_with_a_partial_report(tmp_path):
     took = run.signal(signal.SIGTERM)
     check_clean_exit(run, 143, took)
     assert check_partial_report(tmp_path, "SIGTERM")["summary"]["executor"] == "local"
+
+
+def test_ctrl_c_while_the_report_is_written_waits_for_it(tmp_path):
+    # a finished run: the signal lands once report.json is there, while the plots are drawn
+    run = Run("run", "--config", "tiny", "--requests", "4", "--max-tokens", "4", "--out", str(tmp_path))
+    run.wait_for(lambda: (tmp_path / "report.json").exists(), timeout=120)
+    took = run.signal(signal.SIGINT)
+    check_clean_exit(run, 130, took)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert not report["summary"].get("partial") and len(report["requests"]) == 4
+    assert {r["finish_reason"] for r in report["requests"]} == {"length"}
+    assert len(list(tmp_path.glob("*.png"))) >= 3  # the plots were drawn to the end
+    assert f"stopped, after the report was written in {tmp_path}/" in run.err
 
 
 def test_ctrl_c_ends_a_simulation_with_a_partial_report(tmp_path):
