@@ -298,7 +298,7 @@ def cmd_report(args) -> int:
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{args.dir}/report.json: an incomplete or older report: "
                           f"{type(exc).__name__} {exc}; re-run to write it again") from exc
-    print(summary)
+    print(printable(summary))  # report.json may come from elsewhere: no terminal escapes
     try:
         paths = plot_run(args.dir)
     except (OSError, KeyError, ValueError) as exc:  # a csv file missing or cut short
@@ -307,6 +307,12 @@ def cmd_report(args) -> int:
     for path in paths:
         print(f"  wrote {path}")
     return 0
+
+
+def printable(text: str) -> str:
+    """`text` with every control character but newline and tab shown as `\\xNN`."""
+    return "".join(c if c in "\n\t" or (c.isprintable() and not 0x7f <= ord(c) <= 0x9f)
+                   else f"\\x{ord(c):02x}" for c in text)
 
 
 def cmd_profile(args) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import matplotlib
@@ -160,8 +161,17 @@ def cdf_points(bubbles: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarra
 
 
 def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    """Draw to a new file beside `path`, then rename it over `path`: a symlink (or any
+    file) already at `path` is replaced itself, never written through (`pp-runtime report`
+    re-plots directories that may come from elsewhere)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path
 
 
