@@ -12,7 +12,8 @@ from pp_runtime.executors import make_executor
 from pp_runtime.model.loader import model_config_from_hf, read_hf_config
 from pp_runtime.engine import Engine
 from pp_runtime.telemetry.report import RunResult
-from pp_runtime.request import FinishReason, RequestOutput, SamplingParams, check_requests
+from pp_runtime.request import (FinishReason, InvalidRequestError, RequestOutput, SamplingParams,
+                                check_requests)
 
 
 class LLM:
@@ -59,6 +60,7 @@ class LLM:
         """
         prompts, plist, arrivals = check_requests(prompt_token_ids, params, arrival_s,
                                                   self.config.model.vocab_size, self.config.seq_len)
+        check_horizon(arrivals)
 
         if self.executor is None:
             raise RuntimeError("this LLM was shut down (after shutdown() or a failed run)")
@@ -143,6 +145,21 @@ def torch_thread_init():
     return init
 
 
+MAX_WAIT_S = 86_400.0  # a real run holds a request back at most a day (the simulator: any time)
+
+
+def check_horizon(arrivals: Sequence[float]) -> None:
+    """InvalidRequestError when a request would arrive over `MAX_WAIT_S` after the start:
+    the real runtime would sit idle until then (a typo, a trace in the wrong unit)."""
+    late = [(i, a) for i, a in enumerate(arrivals) if a > MAX_WAIT_S]
+    if late:
+        i, a = late[0]
+        raise InvalidRequestError(
+            f"{len(late)} of {len(arrivals)} requests rejected, none run: request {i}: "
+            f"arrival_s {a:g} is over a day ({MAX_WAIT_S:g} s) after the start, which a real run "
+            "would wait for; shift or rescale the arrivals, or simulate it (pp-runtime simulate)")
+
+
 def workload_requests(cfg: Config) -> tuple[list, list[list[int]], list[SamplingParams]]:
     """cfg's workload as requests: its specs, random token-id prompts of their lengths
     (seeded by workload.seed) and greedy params generating exactly each output length."""
@@ -166,6 +183,7 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
     from pp_runtime.telemetry.recorder import RunRecorder
 
     specs, prompts, params = workload_requests(cfg)
+    check_horizon([s.arrival_s for s in specs])  # before any worker starts
     rec = RunRecorder(time.perf_counter)
 
     def record(mb, out):
