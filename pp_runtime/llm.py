@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pp_runtime import driver
+from pp_runtime.checkpoint_fields import check_math_fields
 from pp_runtime.config import Config, load_config
 from pp_runtime.executors import make_executor
 from pp_runtime.model.loader import model_config_from_hf, read_hf_config
@@ -34,6 +35,8 @@ class LLM:
             config = load_config(config)
         self.config = config.with_overrides(**overrides) if overrides else config.validate()
         self.checkpoint = checkpoint
+        if checkpoint is not None:  # a field that changes the math and is not implemented
+            check_math_fields(read_hf_config(checkpoint), f"{checkpoint}/config.json")
         # an executor built by the caller (the torchrun launcher's), else the config's
         self.executor = executor if executor is not None else make_executor(self.config, checkpoint)
         self._engine: Engine | None = None  # made on first use: `engine`

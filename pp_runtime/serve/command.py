@@ -58,6 +58,10 @@ def cmd_serve(args) -> int:
     from pp_runtime.cli_run import run_base_config, what_runs
 
     options = check_flags(args)  # before the config: the cheap checks first
+    if args.checkpoint:  # a field that changes the math and is not implemented: refused
+        from pp_runtime.checkpoint_fields import check_math_fields
+        from pp_runtime.model.loader import read_hf_config
+        check_math_fields(read_hf_config(args.checkpoint), f"{args.checkpoint}/config.json")
     overrides = parse_overrides(args.set)
     base = run_base_config(args)
     if not args.no_prefix_cache and base.cache.paged:  # serving's default; --set wins
