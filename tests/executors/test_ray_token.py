@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from pp_runtime.executors.ray_executor import owner_only_token
+from pp_runtime.executors.local_ray import owner_only_token
 
 
 @pytest.fixture
