@@ -11,3 +11,7 @@ class CheckpointError(ValueError):
 
 class WorkerFailed(RuntimeError):
     """A stage worker died, raised, or hung; the message names its stage and TP rank."""
+
+
+class StartCancelled(RuntimeError):
+    """The workers' start was given up because the process is stopping (a server's signal)."""

@@ -6,8 +6,9 @@ from pathlib import Path
 from pp_runtime.config import Config
 
 
-def make_executor(cfg: Config, checkpoint: str | Path | None = None):
-    """The executor `runtime.executor` names; `auto` is ray when tp * pp > 1, else local."""
+def make_executor(cfg: Config, checkpoint: str | Path | None = None, cancel=None):
+    """The executor `runtime.executor` names; `auto` is ray when tp * pp > 1, else local.
+    `cancel` (a threading.Event): setting it gives up a Ray start (StartCancelled)."""
     kind = cfg.runtime.executor
     if checkpoint is not None:  # headers and shapes, before any worker starts
         from pp_runtime.model.loader import check_checkpoint
@@ -20,6 +21,6 @@ def make_executor(cfg: Config, checkpoint: str | Path | None = None):
                           "`torchrun ... -m pp_runtime.launch.torchrun --config FILE`")
     if kind == "ray":
         from pp_runtime.executors.ray_executor import RayExecutor
-        return RayExecutor(cfg, checkpoint)
+        return RayExecutor(cfg, checkpoint, cancel)
     from pp_runtime.executors.local import LocalExecutor
     return LocalExecutor(cfg, checkpoint)

@@ -34,6 +34,7 @@ with the driver at the latest, and `shutdown()` kills them.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 import weakref
@@ -41,11 +42,12 @@ from pathlib import Path
 
 from pp_runtime.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config
-from pp_runtime.errors import CheckpointError, ConfigError, WorkerFailed
+from pp_runtime.errors import CheckpointError, ConfigError, StartCancelled, WorkerFailed
 from pp_runtime.executors.local_ray import shutdown_ray, start_ray
 from pp_runtime.parallel.groups import DistSpec, free_port
 from pp_runtime.telemetry.metrics import deployment_tag
 
+CANCEL_POLL_S = 0.2  # how often a start that may be cancelled looks at its event
 NAMESPACE = "pp_runtime"  # Ray namespace of every stage actor (`ray list actors` shows it)
 
 
@@ -115,10 +117,12 @@ class StageActor:
 class RayExecutor:
     name = "ray"
 
-    def __init__(self, cfg: Config, checkpoint: str | Path | None = None):
+    def __init__(self, cfg: Config, checkpoint: str | Path | None = None,
+                 cancel: threading.Event | None = None):
         import ray
 
         self.cfg, self.ray = cfg, ray
+        self._cancel = cancel  # while starting: set = stop waiting (StartCancelled), from any thread
         p, rt = cfg.parallel, cfg.runtime
         self.tp, self.pp = p.tp, p.pp
         _check_device(rt.device)  # before anything starts
@@ -133,6 +137,8 @@ class RayExecutor:
         except BaseException:  # a failure, or Ctrl-C / SIGTERM while starting: stop what started
             self.shutdown()
             raise
+        finally:
+            self._cancel = None
 
     # ---- startup ---------------------------------------------------------------------
     def _start(self, checkpoint) -> None:
@@ -150,9 +156,7 @@ class RayExecutor:
         bundle = {"CPU": self.tp, **({"GPU": self.tp} if gpus else {})}
         pg = placement_group([dict(bundle) for _ in range(self.pp)], strategy="SPREAD")
         self._pgs.append(pg)
-        try:
-            ray.get(pg.ready(), timeout=rt.startup_timeout_s)
-        except ray.exceptions.GetTimeoutError:
+        if not self._wait([pg.ready()], time.monotonic() + rt.startup_timeout_s)[0]:
             raise WorkerFailed(f"Ray could not place {self.pp} stages of {bundle} within "
                                f"{rt.startup_timeout_s} s; is the cluster big enough?") from None
         actor_cls = ray.remote(StageActor)
@@ -212,8 +216,7 @@ class RayExecutor:
         naming the rank that died, raised or hung."""
         ray, pending, deadline = self.ray, list(refs), time.monotonic() + timeout_s
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1,
-                                      timeout=max(0.0, deadline - time.monotonic()))
+            ready, pending = self._wait(pending, deadline)
             if not ready:
                 break
             try:
@@ -229,6 +232,18 @@ class RayExecutor:
             raise WorkerFailed(f"{self._name(first)} did not finish {what} within {timeout_s:g} s "
                                f"(runtime.step_timeout_s / startup_timeout_s)")
         return ray.get(list(refs))
+
+    def _wait(self, pending: list, deadline: float) -> tuple[list, list]:
+        """ray.wait for one of `pending` until `deadline`, in slices while a cancel event is
+        held: StartCancelled once it is set."""
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            step = left if self._cancel is None else min(left, CANCEL_POLL_S)
+            ready, rest = self.ray.wait(pending, num_returns=1, timeout=step)
+            if ready or step == left:
+                return ready, rest
+            if self._cancel is not None and self._cancel.is_set():
+                raise StartCancelled("the stage workers' start was given up: stopping")
 
     def _name(self, i: int) -> str:
         return f"stage {i // self.tp} tp rank {i % self.tp}"

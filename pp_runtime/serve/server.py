@@ -27,6 +27,7 @@ from pathlib import Path
 import uvicorn
 
 from pp_runtime.config import Config, ConfigError
+from pp_runtime.errors import StartCancelled
 from pp_runtime.serve.app import ServeState, build_app
 from pp_runtime.serve.metrics import ServeMetrics, TeeSink
 from pp_runtime.telemetry.metrics import deployment_tag
@@ -115,7 +116,7 @@ def _own_workers(state: ServeState, cfg: Config, checkpoint, max_waiting,
         if cfg.runtime.threads_per_worker:  # the local executor computes on the engine thread
             import torch
             torch.set_num_threads(cfg.runtime.threads_per_worker)
-        executor = make_executor(cfg, checkpoint)
+        executor = make_executor(cfg, checkpoint, cancel=stop)  # a stop gives up the start
         sink = state.metrics.sink
         if executor.name == "ray" and cfg.runtime.metrics:  # also Ray's export (monitoring.md)
             from pp_runtime.telemetry.metrics import default_sink
@@ -128,6 +129,8 @@ def _own_workers(state: ServeState, cfg: Config, checkpoint, max_waiting,
         print(f"pp-runtime serve: ready in {time.perf_counter() - t0:.1f} s: {cfg.parallel.pp} "
               f"stage(s) x tp {cfg.parallel.tp} on {executor.describe()}; {text}", flush=True)
         _probe_until(stop, state, executor, engine)
+    except StartCancelled:  # stopped while starting: the signal decides the exit
+        log.info("stopped while the stage workers were starting")
     except Exception as exc:
         log.exception("the stage workers could not start")
         state.error = f"{type(exc).__name__}: {exc}"
