@@ -16,12 +16,6 @@ from pp_runtime.errors import CheckpointError
 
 # model_type -> {field: (values that need nothing, what a different value changes)}
 REFUSED: dict[str, dict[str, tuple[tuple, str]]] = {
-    "gpt2": {
-        "scale_attn_by_inverse_layer_idx": ((False, None),
-                                            "divides layer i's attention scores by i + 1"),
-        "scale_attn_weights": ((True, None), "leaves the attention scores unscaled by "
-                                             "1/sqrt(head_dim)"),
-    },
     "llama": {
         "partial_rotary_factor": ((1, 1.0, None), "rotates only part of each head"),
         "attn_logit_softcapping": ((None,), "caps the attention logits"),

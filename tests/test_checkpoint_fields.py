@@ -1,7 +1,7 @@
 """A checkpoint whose config.json asks for math the model does not implement is refused with
-one line naming the field, before anything loads (it used to run with wrong tokens): GPT-2's
-two attention-scaling flags (transformers' GPT2Config) and LLaMA-family scaling fields; the
-values that mean "off" load as before."""
+one line naming the field, before anything loads (it used to run with wrong tokens):
+LLaMA-family scaling fields; the values that mean "off" load as before. GPT-2's two
+attention-scaling flags are implemented (tests/model/test_gpt2_attention_scaling.py)."""
 import json
 import subprocess
 import sys
@@ -32,13 +32,6 @@ def test_a_llama_partial_rotary_factor_is_refused_in_one_line(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "partial_rotary_factor": 0.5}))
     refused_everywhere(tmp_path, "partial_rotary_factor", 0.5)
-
-
-@pytest.mark.parametrize("field, value", [("scale_attn_by_inverse_layer_idx", True),
-                                          ("scale_attn_weights", False)])
-def test_gpt2_attention_scaling_flags_are_refused(tmp_path, field, value):
-    hf_model("gpt", **{field: value}).save_pretrained(tmp_path)
-    refused_everywhere(tmp_path, field, value)
 
 
 def test_the_default_values_load(tmp_path):

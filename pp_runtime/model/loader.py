@@ -350,4 +350,25 @@ def load_stage_weights(stage: StageModel, path: str | Path) -> None:
         if parts[0] == "layers":
             parts[1] = str(int(parts[1]) + stage.lo)
         _copy_shard(reader, sources[".".join(parts)], param)
+    if m.family == "gpt":
+        _fold_gpt2_attention_scale(stage, read_hf_config(path))
     _check_finite(stage, path)
+
+
+def _fold_gpt2_attention_scale(stage: StageModel, hf: dict) -> None:
+    """GPT-2's `scale_attn_weights: false` (scores not divided by sqrt(head_dim)) and
+    `scale_attn_by_inverse_layer_idx: true` (layer i's scores divided by i + 1, as
+    transformers' GPT2Attention does), folded into the query rows of each layer's qkv
+    weight and bias: softmax((s q) k^T / sqrt(d)) is attention with scores scaled by s, on
+    every attention path (SDPA, flash, the C++ kernel) and every tp rank (its first rows
+    are its query heads)."""
+    base = 1.0 if hf.get("scale_attn_weights", True) else stage.cfg.head_dim ** 0.5
+    by_layer = bool(hf.get("scale_attn_by_inverse_layer_idx", False))
+    if base == 1.0 and not by_layer:
+        return
+    for j, layer in enumerate(stage.layers):
+        scale = base / (stage.lo + j + 1) if by_layer else base
+        rows = layer.heads * layer.head_dim  # this rank's query rows
+        layer.qkv.weight[:rows] *= scale  # [heads_per_rank * head_dim, hidden]
+        if layer.qkv.bias is not None:
+            layer.qkv.bias[:rows] *= scale
