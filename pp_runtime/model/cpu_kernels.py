@@ -14,6 +14,7 @@ dense weight any more, so packing comes after the weights are loaded and checked
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from pathlib import Path
@@ -125,14 +126,31 @@ def decode_extension():
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else platform.processor()
     model = next((line for line in cpu.splitlines() if line.startswith(("model name", "flags"))), cpu)
     key = hashlib.sha1(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + model.encode()).hexdigest()[:10]
+    name = f"pp_runtime_decode_{key}"
     try:
-        return cpp_extension.load(f"pp_runtime_decode_{key}", [str(_SOURCE)], extra_cflags=_FLAGS,
-                                  extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            return cpp_extension.load(name, [str(_SOURCE)], extra_cflags=_FLAGS,
+                                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the SDPA path runs
         warnings.warn(f"pp_runtime: the CPU decode-attention kernel could not be built "
                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                       "decodes use one SDPA call each (runtime.cpu_decode_kernel)", stacklevel=2)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """torch's build lock is a file (`lock`) that a killed build leaves behind, and every
+    later load then waits on it for ever (a Ray actor that never starts). An flock, which
+    the kernel drops with the process, serialises our builds instead; whoever holds it
+    removes a `lock` file left by a dead build before torch looks at it."""
+    import fcntl
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "pp_runtime.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
