@@ -97,7 +97,8 @@ def _one_run(args, cfg, out: Path) -> int:
     prompts = workload_prompts(specs, args.vocab_size or cfg.model.vocab_size, cfg.workload.seed)
     rate = f"Poisson {cfg.workload.qps:g} req/s" if cfg.workload.qps else "all at once"
     if cfg.workload.kind == "trace":
-        rate = f"trace {cfg.workload.trace}"
+        rate = f"trace {cfg.workload.trace}" + (f" at Poisson {cfg.workload.qps:g} req/s"
+                                                if cfg.workload.qps else "")
     print(f"{len(specs)} requests ({rate}) to {args.url}", flush=True)
     summary, results = load_test(args.url, specs, prompts, api_key=args.api_key,
                                  ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,

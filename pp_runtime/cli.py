@@ -11,6 +11,8 @@
   pp-runtime serve    an OpenAI-compatible HTTP server over the pipeline (streaming,
                       /health, /metrics); 127.0.0.1 unless --host
   pp-runtime bench serve  load generator and capacity search against `pp-runtime serve`
+  pp-runtime plan     the best deployment (tp, pp, replicas, chunk, B, planner) for a model,
+                      a cluster and an SLO, searched on the simulator (docs/plan.md)
 """
 from __future__ import annotations
 
@@ -441,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pp_runtime.bench import add_serve_parser  # `pp-runtime bench serve` (pp_runtime/bench.py)
     bench = sub.add_parser("bench", help="benchmarks against a running server: load, capacity")
     add_serve_parser(bench.add_subparsers(dest="bench", required=True))
+
+    from pp_runtime.plan.command import add_parser as add_plan  # pp_runtime/plan/command.py
+    add_plan(sub)
     return p
 
 

@@ -4,7 +4,9 @@
   rank 1 = min_len), split into prompt and output by the P:D ratio (the paper's generator);
 - `fixed`: every request has prompt_len + output_len;
 - `trace`: a JSONL file, one {"arrival_s", "prompt_len", "output_len"} per line.
-Arrivals: all at once (`qps: null`) or Poisson at `qps` requests per second.
+Arrivals: all at once (`qps: null`) or Poisson at `qps` requests per second; a trace keeps
+its own arrival times unless `qps` is set (then its lengths arrive at Poisson `qps`: what a
+capacity search probes).
 Pure Python + numpy; the same seed gives the same workload.
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ class WorkloadConfig:
     pd_ratio: float = 10.0  # prompt tokens per output token (P:D)
     prompt_len: int = 512  # fixed
     output_len: int = 64  # fixed
-    qps: float | None = None  # Poisson arrivals per second; None = all at time 0
+    qps: float | None = None  # Poisson arrivals per second; None = all at time 0 (a
+    #                          trace: its own times; set: its lengths at Poisson qps)
     trace: str | None = None  # trace: path of the JSONL file
     seed: int = 0
 
@@ -118,9 +121,13 @@ def _is_number(x: object) -> bool:
 def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
     """The requests of a workload, in arrival order."""
     cfg.validate()
-    if cfg.kind == "trace":
-        return read_trace(cfg.trace)
     rng = np.random.default_rng(cfg.seed)
+    if cfg.kind == "trace":
+        specs = read_trace(cfg.trace)
+        if cfg.qps is None:
+            return specs
+        arrivals = np.cumsum(rng.exponential(1.0 / cfg.qps, size=len(specs)))
+        return [RequestSpec(float(a), s.prompt_len, s.output_len) for a, s in zip(arrivals, specs)]
     n = cfg.num_requests
     if cfg.kind == "zipf":
         lengths = [split_pd(int(t), cfg.pd_ratio)

@@ -1,0 +1,155 @@
+"""The deployments `pp-runtime plan` considers, and why the ones that cannot run are out.
+
+A layout is tp x pp GPUs per replica and replicas = gpus // (tp x pp): tp within a node
+and dividing the query heads, the KV heads and the FFN (the cuts tensor parallelism
+makes), pp dividing the layers. A candidate is a layout and its knobs: planner, chunk size
+C, micro-batches in flight (pp + 1, or pp), layer split (even, or `auto`: balanced by the
+cost model) and B, sequences per micro-batch. The KV cache is paged, its blocks what the
+device leaves after the weights on the fullest stage (`cache.num_blocks: auto`), so B
+comes from memory: the requests the blocks hold at the workload's mean length, shared by
+the micro-batches in flight (at most `MAX_B`).
+
+Out before anything is simulated, each with its reason (`Out`):
+  memory   the weights do not fit, or the KV blocks left do not hold the longest request;
+  SLO      one decode alone through the pipeline (every stage's layers at one token, the
+           sends between them) already takes longer than the TBT SLO.
+No torch; pure arithmetic on the cost model and the memory check.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from pp_runtime import memory
+from pp_runtime.config import Config, ConfigError
+
+MAX_B = 128  # sequences per micro-batch at most (a bigger B only lengthens the decode tail)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    replicas: int
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.replicas
+
+    @property
+    def name(self) -> str:
+        return f"tp{self.tp} pp{self.pp} x{self.replicas}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    planner: str
+    chunk_size: int
+    max_batch_size: int
+    in_flight: int
+    layer_split: str  # "even" or "auto"
+
+    @property
+    def name(self) -> str:
+        return (f"{self.layout.name} {self.planner} C{self.chunk_size} B{self.max_batch_size} "
+                f"depth {self.in_flight} {self.layer_split}")
+
+    def config(self, base: Config) -> Config:
+        """base (model, hardware, cache, workload) deployed as this candidate: one replica
+        (the simulator's dp is the layout's replicas, which each serve 1/replicas of the
+        traffic: `search` simulates one at that share)."""
+        p = self.layout
+        return base.with_overrides(**{
+            "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.dp": 1,
+            "parallel.layer_split": "auto" if self.layer_split == "auto" and p.pp > 1 else None,
+            "planner.planner": self.planner, "planner.chunk_size": self.chunk_size,
+            "planner.max_batch_size": self.max_batch_size, "planner.in_flight": self.in_flight})
+
+
+@dataclass(frozen=True)
+class Out:
+    """A layout or candidate left out before simulation, and why."""
+
+    name: str
+    reason: str  # "memory" | "SLO"
+    detail: str
+
+
+def tp_choices(cfg: Config) -> list[int]:
+    m = cfg.model
+    cuts = math.gcd(m.num_heads, m.kv_heads, m.ffn)
+    return [t for t in range(1, min(cuts, cfg.hardware.gpus_per_node) + 1) if cuts % t == 0]
+
+
+def layouts(cfg: Config, gpus: int) -> list[Layout]:
+    """Every tp x pp that `gpus` hold at least once, most GPUs used first."""
+    n = cfg.model.num_layers
+    out = [Layout(tp, pp, gpus // (tp * pp)) for tp in tp_choices(cfg)
+           for pp in range(1, n + 1) if n % pp == 0 and tp * pp <= gpus]
+    return sorted(out, key=lambda lay: (-lay.gpus, lay.tp * lay.pp, lay.pp))
+
+
+def memory_out(cfg: Config, layout: Layout, lengths: list[int]) -> Out | None:
+    """Why this layout's stages cannot hold the weights and the longest request, or None.
+    cfg: a candidate's config (paged, num_blocks auto, the device's memory)."""
+    c = cfg.cache
+    usable = c.device_memory_gb * memory.GB * c.memory_utilization
+    stages = [memory.stage_memory(cfg, s, cfg.model.dtype_bytes, slots=1) for s in range(layout.pp)]
+    worst = max(stages, key=lambda s: s.weight_bytes)
+    if worst.weight_bytes > usable:
+        return Out(layout.name, "memory", f"weights {worst.weight_bytes / memory.GB:.3g} GB "
+                   f"on stage {worst.stage} > {usable / memory.GB:.3g} GB usable")
+    blocks = memory.kv_blocks(cfg)
+    need = -(-max(lengths) // c.block_size)
+    if blocks < need:
+        return Out(layout.name, "memory", f"{blocks} KV blocks left beside the weights, the "
+                   f"longest request ({max(lengths)} tokens) needs {need}")
+    return None
+
+
+def batch_size(cfg: Config, lengths: list[int], in_flight: int) -> int:
+    """B from memory: the requests the blocks hold at the mean length, per micro-batch."""
+    held = memory.kv_capacity(cfg, lengths).in_flight
+    return max(1, min(MAX_B, held // in_flight))
+
+
+def decode_floor_s(cost, pp: int) -> float:
+    """One decode alone through every stage, sends included: no TBT can be shorter."""
+    compute = sum(cost.stage_times([], [1]))
+    return compute + sum(cost.send_time(1, s) for s in range(1, pp))
+
+
+def candidates(base: Config, gpus: int, planners: list[str], chunks: list[int],
+               lengths: list[int], tbt_slo: float) -> tuple[list[tuple[Candidate, Config]], list[Out]]:
+    """Every candidate that may meet the SLO (with its config), and what was left out."""
+    from pp_runtime.costmodel import build_cost_model
+
+    kept, out = [], []
+    for lay in layouts(base, gpus):
+        probe = Candidate(lay, planners[0], chunks[0], 1, lay.pp, "even").config(base)
+        why = memory_out(probe, lay, lengths)
+        if why is None:
+            floor = decode_floor_s(build_cost_model(probe), lay.pp)
+            if floor > tbt_slo:
+                why = Out(lay.name, "SLO", f"one decode through the pipeline takes "
+                          f"{floor * 1e3:.0f} ms > TBT SLO {tbt_slo * 1e3:.0f} ms")
+        if why is not None:
+            out.append(why)
+            continue
+        for depth in sorted({lay.pp + 1, lay.pp} if lay.pp > 1 else {1}, reverse=True):
+            b = batch_size(probe, lengths, depth)
+            for split in ("even", "auto") if lay.pp > 1 else ("even",):
+                for planner in planners:
+                    for c in chunks:
+                        cand = Candidate(lay, planner, c, b, depth, split)
+                        try:
+                            kept.append((cand, cand.config(base)))
+                        except ConfigError as exc:  # e.g. a chunk the planner refuses
+                            out.append(Out(cand.name, "config", str(exc)))
+    return kept, out
+
+
+def with_share(cfg: Config, replicas: int, qps: float) -> Config:
+    """One replica's config at its share of the rate."""
+    return replace(cfg, workload=replace(cfg.workload, qps=qps / replicas))

@@ -1,0 +1,124 @@
+"""`pp-runtime plan --validate N`: the plan's top N and a reference config, for real.
+
+Each deployment is written as a config (`report.write_config`), served by `replicas`
+`pp-runtime serve` processes on 127.0.0.1, and its capacity searched with the load
+generator (`capacity.capacity_search`, the plan's p99 SLOs, Poisson arrivals split evenly
+over the replicas), starting at the rate the simulator predicts for the same requests.
+Printed: predicted and measured capacity side by side, their ratio, and whether the plan's
+choice beat the reference for real. Small models on this machine's CPU pipeline only
+(the search's `--gpu cpu` and a profile measured here), pp <= 2.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from pp_runtime.capacity import Probe, ServerProcess, capacity_search, meets
+from pp_runtime.config import Config, ConfigError, load_config
+from pp_runtime.plan.search import REL_TOL, Result, Slo, evaluate, upper_bound
+from pp_runtime.plan.space import Candidate, Layout
+
+MAX_REAL_PROBES = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def real_probe(urls: list[str], cfg: Config, slo: Slo, log):
+    """probe(qps of all replicas): each server gets its share, with its own seed."""
+    from pp_runtime.loadgen import load_test, workload_prompts
+    from pp_runtime.workload import generate
+
+    def probe(qps: float) -> Probe:
+        got: list[dict] = [{} for _ in urls]
+
+        def one(i: int) -> None:
+            wl = replace(cfg.workload, qps=qps / len(urls), seed=cfg.workload.seed + i)
+            specs = generate(wl)
+            prompts = workload_prompts(specs, cfg.model.vocab_size, wl.seed)
+            got[i], _ = load_test(urls[i], specs, prompts, progress=False, desc=f"{qps:.3g} req/s")
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(urls))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        tbt = max((s["tbt_s"]["p99"] or 0.0) for s in got)
+        ttft = max((s["ttft_s"]["p99"] or 0.0) for s in got)
+        failed = sum(s["failed"] for s in got)
+        ok = meets(tbt, ttft, slo.tbt_s, slo.ttft_s, failed)
+        log(f"    {qps:7.3f} req/s: p99 TBT {tbt * 1e3:6.0f} ms, p99 TTFT {ttft * 1e3:6.0f} ms"
+            f"{'' if ok else '  (misses)'}")
+        return Probe(qps, tbt, ttft, ok, {"tbt_p99_s": tbt, "ttft_p99_s": ttft, "failed": failed})
+
+    return probe
+
+
+def measure(name: str, cfg: Config, replicas: int, slo: Slo, start: float, out: Path, log) -> float:
+    """Capacity of `replicas` servers of cfg, for real (req/s over all of them)."""
+    from pp_runtime.plan.report import dump_config
+
+    path = dump_config(cfg, replicas, out / f"{name}.yaml", f"validated by pp-runtime plan: {name}")
+    servers = [ServerProcess(["--config", str(path), "--no-prefix-cache"], free_port(),
+                             out / f"{name}-server{i}.log") for i in range(replicas)]
+    started = []
+    try:
+        for s in servers:
+            started.append(s.__enter__())
+        probe = real_probe([s.url for s in started], cfg, slo, log)
+        n = cfg.workload.num_requests
+        cap = capacity_search(probe, start, 2 * REL_TOL, MAX_REAL_PROBES, max_qps=n / 2.0,
+                              min_qps=n / 600.0)
+        return cap.qps
+    finally:
+        for s in started:
+            s.stop()
+
+
+def validate(args, rank: list[Result], configs: dict, slo: Slo, out: Path) -> int:
+    """Predicted / measured capacity of the top N and of --reference (module docstring)."""
+    log = lambda text: print(text, flush=True)  # noqa: E731
+    chosen = rank[:args.validate]
+    if any(r.candidate.layout.pp > 2 or configs[r.candidate].hardware.gpu != "cpu" for r in chosen):
+        raise ConfigError("--validate runs small models on this machine's CPU pipeline: "
+                          "plan with --gpu cpu and pp <= 2")
+    n = args.validate_requests
+    base = configs[chosen[0].candidate]
+    ref = load_config(args.reference).with_overrides(**{
+        "hardware.gpu": "cpu", "hardware.profile": base.hardware.profile,
+        "model.dtype": "float32"})
+    ref = replace(ref, workload=base.workload)
+    ref_cand = Candidate(Layout(ref.parallel.tp, ref.parallel.pp, 1), ref.planner.planner,
+                         ref.planner.chunk_size, ref.planner.max_batch_size, ref.in_flight, "config")
+    rows = [(f"#{i} {r.candidate.name}", r.candidate, configs[r.candidate]) for i, r in enumerate(chosen, 1)]
+    rows.append((f"reference {args.reference}", ref_cand, ref))
+    log(f"\nvalidate: {n} requests per probe, for real on this machine (p99 SLOs as planned)")
+    table = []
+    for label, cand, cfg in rows:
+        cfg = replace(cfg, workload=replace(cfg.workload, num_requests=n))
+        bound = upper_bound(cfg, _mean_tokens(cfg), cand.layout.replicas)
+        predicted = evaluate(cand, cfg, bound, 0.0, slo).qps or 0.0
+        log(f"  {label}: predicted {predicted:.3f} req/s; measuring ...")
+        name = label.split()[0].strip("#") if label.startswith("#") else "reference"
+        measured = measure(f"validate-{name}", cfg, cand.layout.replicas, slo,
+                           max(predicted, n / 600.0), out, log)
+        table.append((label, predicted, measured))
+    log(f"\n{'deployment':<62} {'predicted':>10} {'measured':>10} {'pred/meas':>10}")
+    for label, p, m in table:
+        log(f"{label:<62} {p:>10.3f} {m:>10.3f} {p / m if m else float('inf'):>10.2f}")
+    best, reference = table[0][2], table[-1][2]
+    log(f"the plan's choice / the reference, measured: "
+        f"{best / reference if reference else float('inf'):.2f}x")
+    return 0
+
+
+def _mean_tokens(cfg: Config) -> float:
+    from pp_runtime.workload import generate
+
+    specs = generate(cfg.workload)
+    return sum(s.prompt_len + s.output_len for s in specs) / len(specs)
