@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ttft-slo", type=float, required=True, help="p99 time to first token, s")
     p.add_argument("--tbt-slo", type=float, required=True, help="p99 time between tokens, s")
     p.add_argument("--planners", default="uniform", help=f"comma-separated ({', '.join(PLANNERS)}; default uniform)")
-    p.add_argument("--chunk-sizes", default="256,512,1024,2048", help="chunk sizes C to try")
+    p.add_argument("--chunk-sizes", default="128,256,512,1024,2048", help="chunk sizes C to try")
     p.add_argument("--budget-minutes", type=float, default=10.0, help="stop starting searches after this")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel processes (default: the cores)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
@@ -103,7 +103,7 @@ def base_config(args) -> Config:
     cfg = Config(model=model).with_overrides(**{
         "hardware.gpu": args.gpu, "hardware.gpus_per_node": args.gpus_per_node,
         "hardware.profile": args.profile, "cache.paged": True, "cache.num_blocks": "auto",
-        "cache.device_memory_gb": memory_gb, "cache.max_seq_len": max(_lengths(wl)),
+        "cache.device_memory_gb": memory_gb, "cache.max_seq_len": longest(wl),
         "runtime.executor": "ray" if args.gpu == "cpu" else "auto",
         "runtime.threads_per_worker": 1 if args.gpu == "cpu" else None})
     return replace(cfg, workload=wl).validate()
@@ -113,6 +113,15 @@ def _cpu_share_gb(gpus: int) -> float:
     """A CPU worker's default memory: a quarter of the RAM shared out, at most 4 GB."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     return min(4.0, round(ram / 4 / gpus, 1))
+
+
+def longest(wl) -> int:
+    """The longest request the workload can make, however many are drawn."""
+    if wl.kind == "zipf":
+        return wl.max_len
+    if wl.kind == "fixed":
+        return wl.prompt_len + wl.output_len
+    return max(_lengths(wl))
 
 
 def _lengths(wl) -> list[int]:

@@ -8,7 +8,7 @@ import yaml
 
 from pp_runtime import memory
 from pp_runtime.config import Config
-from pp_runtime.plan.search import LOST, Result, Slo
+from pp_runtime.plan.search import LOST, REL_TOL, Result, Slo
 from pp_runtime.plan.space import Out
 
 
@@ -52,11 +52,15 @@ def why_lost(r: Result, slo: Slo, best: float) -> str:
                   if d.get(key) is None or d[key] > limit]
         what = ", ".join(misses) or "a request failed"
         bubble = f", bubble {100 * d.get('bubble_fraction', 0):.1f}%" if d else ""
-        return f"SLO at the winner's rate ({r.probes[0].qps / r.candidate.layout.gpus:.4f}/GPU): {what}{bubble}"
+        return (f"SLO missed at {r.probes[0].qps / r.candidate.layout.gpus:.4f} req/s/GPU (the best "
+                f"known when it ran): {what}{bubble}")
     if r.outcome == "bound":
-        return f"bound: at most {r.bound_qps / r.candidate.layout.gpus:.4f} req/s/GPU without bubbles <= best {best:.4f}"
+        return (f"bound: at most {r.bound_qps / r.candidate.layout.gpus:.4f} req/s/GPU without "
+                f"bubbles, within {100 * REL_TOL:.0f} % of the best {best:.4f} or below")
     if r.outcome == "budget":
         return "not searched: the time budget ran out"
+    if r.outcome == "error":
+        return f"refused by the simulator: {d.get('error')}"
     if r.outcome == "searched" and not r.qps:
         return "SLO: no rate probed met it"
     return f"capacity {r.per_gpu:.4f} req/s/GPU, bubble {100 * d.get('bubble_fraction', 0):.1f}%"

@@ -1,13 +1,14 @@
 """The search: every candidate's capacity on the simulator, best first, in parallel.
 
-Candidates are ranked by an upper bound on their capacity from the cost model alone
+Every candidate has an upper bound on its capacity from the cost model alone
 (`upper_bound`: the slowest stage's best time per token, at most C + B tokens a
-micro-batch, times the workload's mean request), and searched in that order in `jobs`
-processes. A candidate's capacity search (`capacity.capacity_search` on the simulator,
+micro-batch, times the workload's mean request). They are searched in `jobs` processes,
+highest bound per GPU first, discounted where a rough TBT (`likely_tbt_s`) is over the SLO
+so that the likely feasible come first. A candidate's capacity search (`capacity.capacity_search` on the simulator,
 one replica at its share of the rate) starts at the best capacity found so far (a
 little above it): a candidate that misses the SLOs there cannot win and costs one probe
-("lost at the best's rate", with the latencies it had). Once a candidate's bound is
-below the best capacity, it and every one after it are out without a probe ("bound").
+("lost at the best's rate", with the latencies it had). A candidate whose bound is within
+the search's tolerance of the best capacity is out without a probe ("bound").
 The time budget stops new searches; what it left unsearched is listed as such.
 
 A probe is a sustained rate, not a burst: its arrivals span at least 10 TTFT SLOs (more
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from pp_runtime.capacity import Probe, capacity_search, meets
-from pp_runtime.config import Config
+from pp_runtime.config import Config, ConfigError
 from pp_runtime.plan.space import Candidate, with_share
 
 REL_TOL = 0.05  # bisect until the bracket is this narrow
@@ -48,7 +49,7 @@ class Result:
     candidate: Candidate
     bound_qps: float  # the cost model's upper bound on its capacity (all replicas)
     qps: float | None = None  # its capacity (all replicas); None: not searched to the end
-    outcome: str = "pending"  # searched | lost at the best's rate | bound | budget
+    outcome: str = "pending"  # searched | lost at the best's rate | bound | budget | error
     probes: list[Probe] = field(default_factory=list)  # one replica's, at its share
     detail: dict = field(default_factory=dict)  # the summary at its capacity (or last probe)
     seconds: float = 0.0
@@ -69,6 +70,18 @@ def upper_bound(cfg: Config, mean_tokens: float, replicas: int) -> float:
     sizes = sorted({max(1, round(top / 2 ** k)) for k in range(12)})
     per_token = min(max(cost.stage_times([(0, t)], [])) / t for t in sizes)
     return replicas / (mean_tokens * per_token)
+
+
+def likely_tbt_s(cfg: Config, mean_tokens: float) -> float:
+    """A rough p99 TBT: a full micro-batch (a chunk and B - 1 decodes at half the mean
+    length) on the slowest stage, once per micro-batch in flight. Orders the search (the
+    likely feasible first), never prunes it."""
+    from pp_runtime.costmodel import build_cost_model
+
+    pl = cfg.planner
+    stage = max(build_cost_model(cfg).stage_times([(0, pl.chunk_size)],
+                                                  [max(1, int(mean_tokens / 2))] * (pl.max_batch_size - 1)))
+    return cfg.in_flight * stage
 
 
 def probe_on_sim(cfg: Config, replicas: int, slo: Slo):
@@ -104,6 +117,15 @@ def evaluate(cand: Candidate, cfg: Config, bound: float, best: float, slo: Slo) 
 
     warnings.simplefilter("ignore", UserWarning)  # e.g. a chunk off the tile: said once by `plan`
     t0 = time.perf_counter()
+    try:
+        return _evaluate(cand, cfg, bound, best, slo, t0)
+    except ConfigError as exc:  # a deployment the simulator refuses: out, with its reason
+        return Result(cand, bound, outcome="error", detail={"error": str(exc)},
+                      seconds=time.perf_counter() - t0)
+
+
+def _evaluate(cand: Candidate, cfg: Config, bound: float, best: float, slo: Slo,
+              t0: float) -> Result:
     probe = probe_on_sim(cfg, cand.layout.replicas, slo)
     res = Result(cand, bound)
     start = best * (1 + REL_TOL) if best else bound / 4
@@ -134,8 +156,13 @@ def evaluate(cand: Candidate, cfg: Config, bound: float, best: float, slo: Slo) 
 def search(items: list[tuple[Candidate, Config]], mean_tokens: float, slo: Slo, jobs: int,
            budget_s: float, progress: bool = True) -> list[Result]:
     """Every candidate's Result, searched best bound first (module docstring)."""
+    def order(rc) -> float:  # the bound per GPU, discounted where the TBT SLO looks out of reach
+        res, cfg = rc
+        tbt = likely_tbt_s(cfg, mean_tokens)
+        return -res.bound_qps / res.candidate.layout.gpus * min(1.0, slo.tbt_s / tbt)
+
     pending = sorted(((Result(c, upper_bound(cfg, mean_tokens, c.layout.replicas)), cfg)
-                      for c, cfg in items), key=lambda rc: -rc[0].bound_qps / rc[0].candidate.layout.gpus)
+                      for c, cfg in items), key=order)
     results = [r for r, _ in pending]
     best = 0.0  # per GPU
     t0 = time.monotonic()
@@ -147,7 +174,7 @@ def search(items: list[tuple[Candidate, Config]], mean_tokens: float, slo: Slo, 
         while pending or running:
             while pending and len(running) < jobs:
                 res, cfg = pending.pop(0)
-                if best and res.bound_qps / res.candidate.layout.gpus <= best:
+                if best and res.bound_qps / res.candidate.layout.gpus <= best * (1 + REL_TOL):
                     res.outcome = "bound"
                     bar.update(1)
                     continue

@@ -7,7 +7,8 @@ C, micro-batches in flight (pp + 1, or pp), layer split (even, or `auto`: balanc
 cost model) and B, sequences per micro-batch. The KV cache is paged, its blocks what the
 device leaves after the weights on the fullest stage (`cache.num_blocks: auto`), so B
 comes from memory: the requests the blocks hold at the workload's mean length, shared by
-the micro-batches in flight (at most `MAX_B`).
+the micro-batches in flight (at most `MAX_B`). An `auto` split the same as the even one is
+searched once.
 
 Out before anything is simulated, each with its reason (`Out`):
   memory   the weights do not fit, or the KV blocks left do not hold the longest request;
@@ -77,9 +78,11 @@ class Out:
 
 
 def tp_choices(cfg: Config) -> list[int]:
-    m = cfg.model
+    """tp sizes that cut the heads, the KV heads and the FFN evenly and tile a node (stages
+    are packed node by node, so a group of 6 on 8-GPU nodes would straddle two)."""
+    m, per_node = cfg.model, cfg.hardware.gpus_per_node
     cuts = math.gcd(m.num_heads, m.kv_heads, m.ffn)
-    return [t for t in range(1, min(cuts, cfg.hardware.gpus_per_node) + 1) if cuts % t == 0]
+    return [t for t in range(1, min(cuts, per_node) + 1) if cuts % t == 0 and per_node % t == 0]
 
 
 def layouts(cfg: Config, gpus: int) -> list[Layout]:
@@ -139,14 +142,20 @@ def candidates(base: Config, gpus: int, planners: list[str], chunks: list[int],
             continue
         for depth in sorted({lay.pp + 1, lay.pp} if lay.pp > 1 else {1}, reverse=True):
             b = batch_size(probe, lengths, depth)
-            for split in ("even", "auto") if lay.pp > 1 else ("even",):
-                for planner in planners:
-                    for c in chunks:
+            for planner in planners:
+                for c in chunks:
+                    even = None
+                    for split in ("even", "auto") if lay.pp > 1 else ("even",):
                         cand = Candidate(lay, planner, c, b, depth, split)
                         try:
-                            kept.append((cand, cand.config(base)))
+                            cfg = cand.config(base)
                         except ConfigError as exc:  # e.g. a chunk the planner refuses
                             out.append(Out(cand.name, "config", str(exc)))
+                            continue
+                        if split == "auto" and cfg.layers_per_stage() == even:
+                            continue  # balancing chose the even split: nothing new to search
+                        even = even or cfg.layers_per_stage()
+                        kept.append((cand, cfg))
     return kept, out
 
 
