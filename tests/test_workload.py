@@ -57,6 +57,18 @@ def test_trace_round_trip_and_errors(tmp_path):
         read_trace(bad)
 
 
+def test_a_trace_at_a_set_rate_keeps_its_lengths_at_poisson_arrivals(tmp_path):
+    """What a capacity search over a trace probes (bench serve --trace --capacity, plan)."""
+    specs = [RequestSpec(i * 10.0, 100 + i, 1 + i % 7) for i in range(4000)]
+    path = tmp_path / "t.jsonl"
+    write_trace(specs, path)
+    got = generate(WorkloadConfig(kind="trace", trace=str(path), qps=8.0))
+    assert [(s.prompt_len, s.output_len) for s in got] == [(s.prompt_len, s.output_len) for s in specs]
+    arrivals = [s.arrival_s for s in got]
+    assert arrivals == sorted(arrivals) and len(got) / arrivals[-1] == pytest.approx(8.0, rel=0.05)
+    assert generate(WorkloadConfig(kind="trace", trace=str(path), qps=8.0)) == got  # seeded
+
+
 @pytest.mark.parametrize("kw, field", [(dict(kind="poisson"), "kind"), (dict(min_len=5000), "min_len"),
                                        (dict(qps=0.0), "qps"), (dict(kind="trace"), "trace"),
                                        (dict(pd_ratio=0), "pd_ratio")])

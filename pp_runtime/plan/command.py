@@ -104,7 +104,6 @@ def base_config(args) -> Config:
         "hardware.gpu": args.gpu, "hardware.gpus_per_node": args.gpus_per_node,
         "hardware.profile": args.profile, "cache.paged": True, "cache.num_blocks": "auto",
         "cache.device_memory_gb": memory_gb, "cache.max_seq_len": longest(wl),
-        "runtime.executor": "ray" if args.gpu == "cpu" else "auto",
         "runtime.threads_per_worker": 1 if args.gpu == "cpu" else None})
     return replace(cfg, workload=wl).validate()
 

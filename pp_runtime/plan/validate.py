@@ -3,13 +3,15 @@
 Each deployment is written as a config (`report.write_config`), served by `replicas`
 `pp-runtime serve` processes on 127.0.0.1, and its capacity searched with the load
 generator (`capacity.capacity_search`, the plan's p99 SLOs, Poisson arrivals split evenly
-over the replicas), starting at the rate the simulator predicts for the same requests.
+over the replicas; each probe's arrivals span at least 10 TTFT SLOs, as in the search),
+starting at the rate the simulator predicts for the same requests.
 Printed: predicted and measured capacity side by side, their ratio, and whether the plan's
 choice beat the reference for real. Small models on this machine's CPU pipeline only
 (the search's `--gpu cpu` and a profile measured here), pp <= 2.
 """
 from __future__ import annotations
 
+import math
 import socket
 import threading
 from dataclasses import replace
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from pp_runtime.capacity import Probe, ServerProcess, capacity_search, meets
 from pp_runtime.config import Config, ConfigError, load_config
-from pp_runtime.plan.search import REL_TOL, Result, Slo, evaluate, upper_bound
+from pp_runtime.plan.search import REL_TOL, SPAN_TTFTS, Result, Slo, evaluate, upper_bound
 from pp_runtime.plan.space import Candidate, Layout
 
 MAX_REAL_PROBES = 6
@@ -37,8 +39,11 @@ def real_probe(urls: list[str], cfg: Config, slo: Slo, log):
     def probe(qps: float) -> Probe:
         got: list[dict] = [{} for _ in urls]
 
+        share = qps / len(urls)
+        n = max(cfg.workload.num_requests, math.ceil(share * SPAN_TTFTS * slo.ttft_s))
+
         def one(i: int) -> None:
-            wl = replace(cfg.workload, qps=qps / len(urls), seed=cfg.workload.seed + i)
+            wl = replace(cfg.workload, qps=share, seed=cfg.workload.seed + i, num_requests=n)
             specs = generate(wl)
             prompts = workload_prompts(specs, cfg.model.vocab_size, wl.seed)
             got[i], _ = load_test(urls[i], specs, prompts, progress=False, desc=f"{qps:.3g} req/s")
