@@ -83,7 +83,7 @@ def layout_table(results: list[Result], outs: list[Out], slo: Slo) -> str:
         else:
             lines.append((0.0, f"  {name:<14} {'lost':<7} {why_lost(top, slo, best)}"))
     lines += [(1.0, f"  {o.name:<14} {'out':<7} {o.reason}: {o.detail}") for o in outs
-              if o.reason in ("memory", "SLO")]
+              if o.reason in ("memory", "SLO", "cost model")]
     return "\n".join(text for _, text in sorted(lines, key=lambda x: x[0]))
 
 

@@ -13,7 +13,8 @@ searched once.
 Out before anything is simulated, each with its reason (`Out`):
   memory   the weights do not fit, or the KV blocks left do not hold the longest request;
   SLO      one decode alone through the pipeline (every stage's layers at one token, the
-           sends between them) already takes longer than the TBT SLO.
+           sends between them) already takes longer than the TBT SLO;
+  cost model  nothing prices it (a local profile measured without this tp's shapes).
 No torch; pure arithmetic on the cost model and the memory check.
 """
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Out:
     """A layout or candidate left out before simulation, and why."""
 
     name: str
-    reason: str  # "memory" | "SLO"
+    reason: str  # "memory" | "SLO" | "cost model" | "config"
     detail: str
 
 
@@ -133,7 +134,11 @@ def candidates(base: Config, gpus: int, planners: list[str], chunks: list[int],
         probe = Candidate(lay, planners[0], chunks[0], 1, lay.pp, "even").config(base)
         why = memory_out(probe, lay, lengths)
         if why is None:
-            floor = decode_floor_s(build_cost_model(probe), lay.pp)
+            try:
+                floor = decode_floor_s(build_cost_model(probe), lay.pp)
+            except ConfigError as exc:  # e.g. a local profile without this tp's shapes
+                out.append(Out(lay.name, "cost model", str(exc)))
+                continue
             if floor > tbt_slo:
                 why = Out(lay.name, "SLO", f"one decode through the pipeline takes "
                           f"{floor * 1e3:.0f} ms > TBT SLO {tbt_slo * 1e3:.0f} ms")
