@@ -23,6 +23,7 @@ from pp_runtime.plan.search import REL_TOL, SPAN_TTFTS, Result, Slo, evaluate, u
 from pp_runtime.plan.space import Candidate, Layout
 
 MAX_REAL_PROBES = 6
+MAX_REAL_REQUESTS = 300  # the fastest rate probed sends this many in 10 TTFT SLOs
 
 
 def free_port() -> int:
@@ -77,8 +78,9 @@ def measure(name: str, cfg: Config, replicas: int, slo: Slo, start: float, out: 
             started.append(s.__enter__())
         probe = real_probe([s.url for s in started], cfg, slo, log)
         n = cfg.workload.num_requests
-        cap = capacity_search(probe, start, 2 * REL_TOL, MAX_REAL_PROBES, max_qps=n / 2.0,
-                              min_qps=n / 600.0)
+        lo, hi = n / 600.0, max(n, MAX_REAL_REQUESTS) / (SPAN_TTFTS * slo.ttft_s)
+        cap = capacity_search(probe, min(max(start, lo), hi), 2 * REL_TOL, MAX_REAL_PROBES,
+                              max_qps=hi, min_qps=lo)
         return cap.qps
     finally:
         for s in started:
@@ -94,10 +96,9 @@ def validate(args, rank: list[Result], configs: dict, slo: Slo, out: Path) -> in
                           "plan with --gpu cpu and pp <= 2")
     n = args.validate_requests
     base = configs[chosen[0].candidate]
-    ref = load_config(args.reference).with_overrides(**{
-        "hardware.gpu": "cpu", "hardware.profile": base.hardware.profile,
-        "model.dtype": "float32"})
-    ref = replace(ref, workload=base.workload)
+    ref = load_config(args.reference)  # its deployment and knobs, on the plan's model and traffic
+    ref = replace(ref, model=base.model, workload=base.workload,
+                  hardware=base.hardware).validate()
     ref_cand = Candidate(Layout(ref.parallel.tp, ref.parallel.pp, 1), ref.planner.planner,
                          ref.planner.chunk_size, ref.planner.max_batch_size, ref.in_flight, "config")
     rows = [(f"#{i} {r.candidate.name}", r.candidate, configs[r.candidate]) for i, r in enumerate(chosen, 1)]
