@@ -204,8 +204,10 @@ def nothing_fits(outs, args) -> str:
         return (f"no layout of {args.gpus} x {args.gpu} holds the model and the longest request "
                 f"(e.g. {mem[-1].name}: {mem[-1].detail}); more GPUs, or more memory per GPU")
     floor = [o for o in outs if o.reason == "SLO"]
-    return (f"no layout meets the TBT SLO ({floor[0].name}: {floor[0].detail}); a TBT SLO above "
-            "that, or faster GPUs" if floor else "nothing to search")
+    if floor and len(floor) + len(mem) == len(outs):
+        return (f"no layout meets the TBT SLO ({floor[0].name}: {floor[0].detail}); a TBT SLO "
+                "above that, or faster GPUs")
+    return "no deployment can run: " + "; ".join(f"{o.name}: {o.reason}: {o.detail}" for o in outs[:3])
 
 
 def what_would(results, slo) -> str:

@@ -7,7 +7,8 @@ C, micro-batches in flight (pp + 1, or pp), layer split (even, or `auto`: balanc
 cost model) and B, sequences per micro-batch. The KV cache is paged, its blocks what the
 device leaves after the weights on the fullest stage (`cache.num_blocks: auto`), so B
 comes from memory: the requests the blocks hold at the workload's mean length, shared by
-the micro-batches in flight (at most `MAX_B`). An `auto` split the same as the even one is
+the micro-batches in flight (at most `MAX_B`, and at most half the chunk: the decodes a
+tile-aligned chunk carries leave it at least half its prefill tokens). An `auto` split the same as the even one is
 searched once.
 
 Out before anything is simulated, each with its reason (`Out`):
@@ -151,7 +152,7 @@ def candidates(base: Config, gpus: int, planners: list[str], chunks: list[int],
                 for c in chunks:
                     even = None
                     for split in ("even", "auto") if lay.pp > 1 else ("even",):
-                        cand = Candidate(lay, planner, c, b, depth, split)
+                        cand = Candidate(lay, planner, c, max(1, min(b, c // 2)), depth, split)
                         try:
                             cfg = cand.config(base)
                         except ConfigError as exc:  # e.g. a chunk the planner refuses
