@@ -53,20 +53,26 @@ def generate(path, **overrides):
     return [o.token_ids for o in outs], seen, executor
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 2), (1, 2)])
-def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, monkeypatch):
+@pytest.mark.parametrize("tp, pp, graph", [(2, 2, True), (1, 2, True), (2, 2, False)],
+                         ids=["tp2-pp2-graph", "tp1-pp2-graph", "tp2-pp2-tasks"])
+def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, graph, monkeypatch):
+    from ray.dag.compiled_dag_node import CompiledDAG
+
     family, _, path = hf_checkpoint
     reference, _, ex = generate(path, executor="local", pp=1)
     assert ex.name == "local"
     put, puts = ray.put, []
     monkeypatch.setattr(ray, "put", lambda obj, **kw: (puts.append(obj), put(obj, **kw))[1])
-    tokens, mbs, ex = generate(path, tp=tp, pp=pp)
+    execute = CompiledDAG.execute  # the compiled graph: one execute per micro-batch, for all ranks
+    monkeypatch.setattr(CompiledDAG, "execute", lambda dag, mb: (puts.append(mb), execute(dag, mb))[1])
+    tokens, mbs, ex = generate(path, tp=tp, pp=pp, compiled_graph=graph)
     assert ex.name == "ray"
     assert tokens == reference
     # the plans really mixed chunked prefills and piggybacked decodes
     assert any(mb.num_decodes and mb.num_prefill_tokens for mb in mbs)
     assert any(s.start > 0 and not s.is_decode for mb in mbs for s in mb.seqs)
-    # each micro-batch went to Ray's object store once, for all tp * pp actors
+    # each micro-batch went to Ray once (its object store, or one graph execution) for all
+    # tp * pp actors
     assert [mb.mb_id for mb in puts if isinstance(mb, MicroBatch)] == [mb.mb_id for mb in mbs]
     # before the first micro-batch: one all-reduce per TP group, one exchange per stage pair
     assert ex.warm_ups == [
@@ -169,9 +175,10 @@ def test_every_stage_actor_and_call_is_named_in_the_state_api(local_ray):
     while True:  # task events reach the state API within about a second
         alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, **api)
         actors = {a.name: a for a in alive}
+        # micro-batches run inside the compiled graph; every call outside it is named
         tasks = {t.name for t in list_tasks(filters=[("func_or_class_name", "=",
-                                                      "StageActor.execute")], **api)}
-        if want <= set(actors) and {"stage0-tp0.execute", "stage1-tp0.execute"} <= tasks:
+                                                      "StageActor.start")], **api)}
+        if want <= set(actors) and {"stage0-tp0.start", "stage1-tp0.start"} <= tasks:
             break
         assert time.monotonic() < deadline, (sorted(actors), sorted(tasks))
         time.sleep(0.5)
