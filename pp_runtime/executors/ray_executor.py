@@ -10,12 +10,11 @@ Each actor is given that device; Ray shows an actor with `num_gpus=1` only its o
 as cuda:0, so `device: cuda:N` is rejected. After the process groups are up every rank
 warms its communicators up (`parallel/p2p.warm_up`) before the first micro-batch.
 
-Once the workers are up, every rank's `execute` is joined into one Ray Compiled Graph
-(`runtime.compiled_graph`, on by default: `ray.dag`, `experimental_compile`): a micro-batch
-is one `dag.execute(mb)` that reaches every actor through the graph's channels, in about
-0.3 ms on this machine instead of ~4 ms of one Ray task per rank. With it off, the driver
-puts the `MicroBatch` in Ray's object store once and submits `execute(ref)` to every actor
-in rank order. Either way an actor runs its micro-batches in submission order, so
+For every micro-batch the driver puts the `MicroBatch` in Ray's object store once and
+submits `execute(ref)` to every actor in rank order. With `runtime.compiled_graph` (opt-in,
+docs/distributed.md) every rank's `execute` is joined into one Ray Compiled Graph instead
+(`ray.dag`, `experimental_compile`): a micro-batch is one `dag.execute(mb)` that reaches
+every actor through the graph's channels. Either way an actor runs its micro-batches in submission order, so
 point-to-point pairs always match and up to `in_flight` micro-batches overlap in the
 pipeline (activations go between stages over torch.distributed, not through the graph).
 `wait` collects one result per actor: token ids from TP rank 0 of the last stage, a
@@ -241,6 +240,7 @@ class RayExecutor:
             try:
                 ray.get(ref)
             except Exception as exc:  # RayActorError: the actor's process is gone
+                self.dag_broken = True
                 raise WorkerFailed(f"{self._name(refs.index(ref))} is dead: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
         return len(ready) == len(refs)
@@ -341,15 +341,26 @@ class RayExecutor:
             _teardown(dag)
         _release(self.actors, self._pgs, self._owns_ray)
         if dag is not None and self.dag_broken:
-            _teardown(dag)
+            _teardown(dag, broken=True)
         self._owns_ray = False
 
 
-def _teardown(dag) -> None:
+def _teardown(dag, broken: bool = False) -> None:
+    """Stop the graph's loops on the actors and free its channels. A broken graph's
+    teardown finds dead actors: Ray would log each with a traceback, after the failure
+    was already reported by name, so its logger is quiet meanwhile."""
+    import logging
+
+    log = logging.getLogger("ray.dag.compiled_dag_node")
+    level = log.level
+    if broken:
+        log.setLevel(logging.CRITICAL)
     try:
         dag.teardown()
     except Exception:  # actors already gone: nothing left to stop
         pass
+    finally:
+        log.setLevel(level)
 
 
 def _release(actors: list, pgs: list, stop_ray: bool) -> None:

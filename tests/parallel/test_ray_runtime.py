@@ -175,10 +175,9 @@ def test_every_stage_actor_and_call_is_named_in_the_state_api(local_ray):
     while True:  # task events reach the state API within about a second
         alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, **api)
         actors = {a.name: a for a in alive}
-        # micro-batches run inside the compiled graph; every call outside it is named
         tasks = {t.name for t in list_tasks(filters=[("func_or_class_name", "=",
-                                                      "StageActor.start")], **api)}
-        if want <= set(actors) and {"stage0-tp0.start", "stage1-tp0.start"} <= tasks:
+                                                      "StageActor.execute")], **api)}
+        if want <= set(actors) and {"stage0-tp0.execute", "stage1-tp0.execute"} <= tasks:
             break
         assert time.monotonic() < deadline, (sorted(actors), sorted(tasks))
         time.sleep(0.5)
@@ -217,8 +216,9 @@ def _run_with_fault(inject, **overrides):
     return str(err.value), elapsed, actors
 
 
-def test_a_killed_actor_ends_the_run_with_an_error_naming_it():
-    msg, elapsed, actors = _run_with_fault(lambda actors: ray.kill(actors[1]))
+@pytest.mark.parametrize("graph", [False, True], ids=["tasks", "graph"])
+def test_a_killed_actor_ends_the_run_with_an_error_naming_it(graph):
+    msg, elapsed, actors = _run_with_fault(lambda actors: ray.kill(actors[1]), compiled_graph=graph)
     assert "stage 1 tp rank 0 failed during micro-batch" in msg, msg
     assert "ActorDied" in msg or "RayActorError" in msg, msg
     assert elapsed < 60
@@ -227,8 +227,10 @@ def test_a_killed_actor_ends_the_run_with_an_error_naming_it():
         ray.get(actors[0].sleep.remote(0), timeout=30)
 
 
-def test_a_hung_rank_ends_the_run_after_the_step_timeout():
-    msg, elapsed, _ = _run_with_fault(lambda actors: actors[1].sleep.remote(120), step_timeout_s=4.0)
+@pytest.mark.parametrize("graph", [False, True], ids=["tasks", "graph"])
+def test_a_hung_rank_ends_the_run_after_the_step_timeout(graph):
+    msg, elapsed, _ = _run_with_fault(lambda actors: actors[1].sleep.remote(120), step_timeout_s=4.0,
+                                      compiled_graph=graph)
     assert "stage 1 tp rank 0 did not finish micro-batch" in msg, msg
     assert elapsed < 60
 
