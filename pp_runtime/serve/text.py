@@ -83,19 +83,33 @@ class HFCodec:
 
 
 class HFDecoder:
-    """Incremental detokenization: decode all ids so far and hand out the new suffix, holding
-    it back while it ends in an incomplete character (U+FFFD)."""
+    """Incremental detokenization in constant work per token, whatever the completion's
+    length (re-decoding every id so far made a long stream O(n^2) on the event loop):
+    `tokenizers`' `DecodeStream` for a fast tokenizer, as TGI and vLLM use it; for a slow
+    one, the window vLLM and TGI decode: the text of the tokens since the last piece handed
+    out, against the same without the newest, held back while it ends in an incomplete
+    character (U+FFFD)."""
 
     def __init__(self, tok):
-        self.tok, self.ids, self.sent = tok, [], 0
+        self.tok, self.ids, self.read = tok, [], 0  # window; ids[:read] were handed out
+        backend = getattr(tok, "backend_tokenizer", None)
+        self.stream = None
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self.stream, self.backend = DecodeStream(skip_special_tokens=True), backend
 
     def add(self, token_id: int) -> str:
+        if self.stream is not None:
+            return self.stream.step(self.backend, token_id) or ""
         self.ids.append(token_id)
+        before = self.tok.decode(self.ids[:self.read], skip_special_tokens=True)
         text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        new, self.sent = text[self.sent:], len(text)
-        return new
+        # the next window starts at the tokens of the piece handed out now (its context)
+        self.ids, self.read = self.ids[self.read:], len(self.ids) - self.read
+        return text[len(before):]
 
 
 def load_codec(checkpoint: str | Path | None) -> Codec:
