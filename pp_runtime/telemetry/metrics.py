@@ -14,6 +14,7 @@ Ray. Ray prefixes every name with `ray_` and counters also get `_total`.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Mapping, Protocol
@@ -22,6 +23,9 @@ from pp_runtime.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config
 from pp_runtime.request import Request
 from pp_runtime.telemetry.bubbles import StageAccumulator, add_microbatch
+
+
+FLUSH_S = 0.5  # the per-stage series reach the sink at least this often while running
 
 
 class Metric(str, Enum):
@@ -169,6 +173,10 @@ class RuntimeMetrics:
         self._bubble_s: dict[int, float] = {}  # request id -> bubble so far (unfinished)
         self._last_token_s: dict[int, float] = {}
         self._gaps_s: dict[int, list[float]] = {}
+        self._pending: dict[tuple, float] = {}  # (metric, tags) -> counter sum since the flush
+        self._gauges: dict[tuple, float] = {}  # (metric, tags) -> last value since the flush
+        self._observed: list[tuple[int, int]] = []  # (prefill, decode) tokens per micro-batch
+        self._flushed_s = time.monotonic()
 
     @classmethod
     def for_config(cls, cfg: Config, requests: Mapping[int, Request],
@@ -193,25 +201,31 @@ class RuntimeMetrics:
         self.in_flight = n
         self._record(Metric.IN_FLIGHT, n)
         self._record(Metric.QUEUE_DEPTH, self.queue_depth())
+        if n == 0:  # the pipeline drained: nothing summed waits for the next micro-batch
+            self.flush()
 
     # ---- one micro-batch ---------------------------------------------------------------
     def on_microbatch(self, mb: MicroBatch, out: SampledTokens) -> None:
-        """Account the stages (bubble rule), the tokens, and every request it finished."""
-        mb_bubble = 0.0
+        """Account the stages (bubble rule), the tokens, and every request it finished. The
+        per-stage series are summed here and reach the sink every `FLUSH_S` and whenever
+        the pipeline drains (`flush`): ten records per stage per micro-batch on the engine
+        thread between a result and the next decision became a dictionary update."""
+        mb_bubble, pend = 0.0, self._pending
         for t, acc, split in add_microbatch(self.stages, out.timings, mb.idle_before_s):
             mb_bubble += split.charged
-            tags = {"stage": str(t.stage)}
-            self._record(Metric.STAGE_BUSY, split.busy, tags)
-            self._record(Metric.STAGE_TRANSFER, split.transfer, tags)
-            self._record(Metric.STAGE_IDLE, split.idle, tags)
-            self._record(Metric.STAGE_WALL, sum(split), tags)  # the parts of this call
+            stage = str(t.stage)
+            for metric, value in ((Metric.STAGE_BUSY, split.busy), (Metric.STAGE_TRANSFER, split.transfer),
+                                  (Metric.STAGE_IDLE, split.idle), (Metric.STAGE_WALL, sum(split))):
+                key = (metric, (("stage", stage),))
+                pend[key] = pend.get(key, 0.0) + value
             wall = acc.wall_s
             for cause, total in acc.stats().bubble_by_cause_s.items():
-                cause_tags = {**tags, "cause": cause}
-                self._record(Metric.STAGE_BUBBLE, getattr(split, cause), cause_tags)
-                self._record(Metric.STAGE_BUBBLE_FRACTION, total / wall if wall > 0 else 0.0, cause_tags)
-        self._record(Metric.MB_TOKENS, mb.num_prefill_tokens, {"kind": "prefill"})
-        self._record(Metric.MB_TOKENS, mb.num_decodes, {"kind": "decode"})
+                key = (Metric.STAGE_BUBBLE, (("stage", stage), ("cause", cause)))
+                pend[key] = pend.get(key, 0.0) + getattr(split, cause)
+                self._gauges[(Metric.STAGE_BUBBLE_FRACTION, key[1])] = total / wall if wall > 0 else 0.0
+        self._observed.append((mb.num_prefill_tokens, mb.num_decodes))
+        if not self.in_flight or time.monotonic() - self._flushed_s >= FLUSH_S:
+            self.flush()  # the pipeline is empty after this result, or the interval is up
 
         now = self.clock()
         rids = [s.request_id for s in mb.seqs]  # a request has at most one sequence in it
@@ -240,6 +254,20 @@ class RuntimeMetrics:
             self._record(Metric.PREFIX_HIT_TOKENS, req.num_cached)
 
     # ---- to the sink -------------------------------------------------------------------
+    def flush(self) -> None:
+        """Send what `on_microbatch` summed: each counter's total, each gauge's last value,
+        every micro-batch's token counts."""
+        pend, gauges, observed = self._pending, self._gauges, self._observed
+        self._pending, self._gauges, self._observed = {}, {}, []
+        self._flushed_s = time.monotonic()
+        for (metric, tags), value in pend.items():
+            self._record(metric, value, dict(tags))
+        for (metric, tags), value in gauges.items():
+            self._record(metric, value, dict(tags))
+        for prefill, decodes in observed:
+            self._record(Metric.MB_TOKENS, prefill, {"kind": "prefill"})
+            self._record(Metric.MB_TOKENS, decodes, {"kind": "decode"})
+
     def _record(self, metric: Metric, value: float, tags: Mapping[str, str] | None = None) -> None:
         """Add to a counter, set a gauge or observe a histogram: the sink knows which."""
         self.sink.record(metric, value, {**self.tags, **tags} if tags else self.tags)

@@ -96,6 +96,7 @@ def test_online_bubbles_equal_account_on_a_hand_made_schedule():
         for rid in finishes.get(mb.mb_id, []):
             reqs[rid].finish_reason, reqs[rid].finish_s = FinishReason.LENGTH, now[0]
         metrics.on_microbatch(mb, out)
+    metrics.flush()  # the per-stage series are summed and sent every FLUSH_S and on a drain
 
     rep = account([t for ts in timings.values() for t in ts], {mb.mb_id: [s.request_id for s in mb.seqs]
                                                                for mb in mbs},
@@ -123,6 +124,34 @@ def test_online_bubbles_equal_account_on_a_hand_made_schedule():
     tokens = {kind: sink.observed[(Metric.MB_TOKENS, DEP + (("kind", kind),))]
               for kind in ("prefill", "decode")}
     assert tokens == {"prefill": [4, 12, 8], "decode": [0, 0, 1]}
+
+
+def test_per_stage_series_are_summed_not_sent_per_microbatch():
+    """500 micro-batches on two stages within one flush interval: one record per series
+    (not ten per stage per micro-batch), with the same totals; a drained pipeline sends."""
+    calls = []
+
+    class Counting(MemorySink):
+        def record(self, metric, value, tags):
+            calls.append(metric)
+            super().record(metric, value, tags)
+
+    sink = Counting()
+    metrics = RuntimeMetrics("m-tp1xpp2", {}, lambda: 0.0, sink=sink)
+    metrics.set_in_flight(2)  # a busy pipeline: results come back while others are in it
+    t = 0.0
+    for i in range(500):
+        mb = MicroBatch(i, (SeqChunk(0, 0, 0, (1,) * 4, None),))
+        timings = (T(i, 0, t, t + 1), T(i, 1, t + 1.5, t + 2.5, wait=1, transfer=0.5))
+        metrics.on_microbatch(mb, SampledTokens(i, {}, timings))
+        t += 3
+    stage_calls = [m for m in calls if m.value.startswith("pp_runtime_stage")]
+    assert len(stage_calls) < 50, len(stage_calls)  # was 10 per stage per micro-batch: 10000
+    metrics.set_in_flight(0)  # the pipeline drained: everything summed is sent
+    assert sink.counters[stage_key(Metric.STAGE_BUSY, 0)] == pytest.approx(500.0)
+    assert sink.counters[stage_key(Metric.STAGE_BUSY, 1)] == pytest.approx(500.0)
+    assert sink.counters[stage_key(Metric.STAGE_TRANSFER, 1)] == pytest.approx(250.0)
+    assert len(sink.observed[(Metric.MB_TOKENS, DEP + (("kind", "prefill"),))]) == 500
 
 
 def test_in_flight_and_queue_depth_follow_submit_and_wait():
