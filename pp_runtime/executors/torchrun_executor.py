@@ -1,11 +1,12 @@
 """The torchrun executor: one stage worker per torchrun process; rank 0 also drives.
 
 Rank r = stage * tp + tp_rank, as for Ray. Rank 0 (stage 0, TP rank 0) runs the planner and
-the driver loop. `submit(mb)` sends the plan to every other rank over a gloo CPU group (the
-control channel, also with NCCL for the activations) and then runs rank 0's own stage-0
-work; the other ranks (`serve`) take plans in order, execute them, and send back
+the driver loop. `submit(mb)` broadcasts the plan to every other rank over a gloo CPU group (the
+control channel, also with NCCL for the activations: one asynchronous broadcast, not
+world - 1 sends) and then runs rank 0's own stage-0 work; the other ranks (`serve`) take plans in order, execute them, and send back
 `(token ids or None, StageTiming)`. `wait(mb)` collects those in rank order. Sends on the
-control channel never block (isend), so a rank busy with its stage never stalls another.
+control channel never block (isend, async broadcast), so a rank busy with its stage never
+stalls another.
 Messages are JSON typed by the dataclasses (`wire.py`), never pickles: a peer that
 reached the unauthenticated rendezvous can send bad data, not code.
 
@@ -38,14 +39,31 @@ class ControlChannel:
         for t in (size, payload):
             self._pending.append((dist.isend(t, dst=dst, group=self.group), t))
 
+    def broadcast(self, value: object, schema: object) -> None:
+        """Rank 0 to every other rank at once (one gloo broadcast for the size, one for the
+        bytes), asynchronous like `send`: a busy rank takes it when it is ready."""
+        payload = torch.frombuffer(bytearray(wire.encode(value, schema)), dtype=torch.uint8)  # [n]
+        size = torch.tensor([payload.numel()], dtype=torch.long)
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        for t in (size, payload):
+            self._pending.append((dist.broadcast(t, src=0, group=self.group, async_op=True), t))
+
     def recv(self, src: int, schema: object) -> object:
+        return self._receive(src, schema, lambda t: dist.recv(t, src=src, group=self.group))
+
+    def recv_broadcast(self, schema: object) -> object:
+        """The next message `broadcast` by rank 0."""
+        return self._receive(0, schema, lambda t: dist.broadcast(t, src=0, group=self.group))
+
+    @staticmethod
+    def _receive(src: int, schema: object, take) -> object:
         size = torch.empty(1, dtype=torch.long)
-        dist.recv(size, src=src, group=self.group)
+        take(size)
         n = int(size.item())
         if not 0 < n <= MAX_MESSAGE_BYTES:
             raise wire.WireError(f"control message of {n} bytes from rank {src}")
         payload = torch.empty(n, dtype=torch.uint8)
-        dist.recv(payload, src=src, group=self.group)
+        take(payload)
         return wire.decode(payload.numpy().tobytes(), schema)
 
     def flush(self) -> None:
@@ -73,8 +91,7 @@ class TorchrunExecutor:
         return f"torchrun ({self.world} ranks, {dist.get_backend()})"
 
     def submit(self, mb: MicroBatch) -> int:
-        for r in range(1, self.world):
-            self.ctrl.send(mb, wire.PLAN, r)
+        self.ctrl.broadcast(mb, wire.PLAN)  # one message to every rank, not world - 1
         out, timing = self.worker.execute(mb)
         self._own[mb.mb_id] = (_result(self.worker, out), timing)
         return mb.mb_id
@@ -87,8 +104,7 @@ class TorchrunExecutor:
     def shutdown(self) -> None:
         """Tell every other rank to stop (they leave `serve`)."""
         if self.world:
-            for r in range(1, self.world):
-                self.ctrl.send(None, wire.PLAN, r)
+            self.ctrl.broadcast(None, wire.PLAN)
             self.ctrl.flush()
             self.world = 0
 
@@ -97,7 +113,7 @@ def serve(worker: StageWorker, ctrl: ControlChannel) -> int:
     """A rank other than 0: execute plans from rank 0 in order until told to stop;
     returns how many micro-batches it ran."""
     n = 0
-    while (mb := ctrl.recv(0, wire.PLAN)) is not None:
+    while (mb := ctrl.recv_broadcast(wire.PLAN)) is not None:
         out, timing = worker.execute(mb)
         ctrl.send((_result(worker, out), timing), wire.RESULT, 0)
         n += 1
