@@ -46,8 +46,9 @@ def add_parser(sub) -> None:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel processes (default: the cores)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--validate", type=int, nargs="?", const=2, default=0, metavar="N",
-                   help="run the top N (default 2) and a reference config for real on this "
-                        "machine's CPU pipeline: predicted / measured capacity (small models, pp <= 2)")
+                   help="run the best of each of the top N layouts (default 2) and a reference "
+                        "config for real on this machine's CPU pipeline: predicted / measured "
+                        "capacity (small models, pp <= 2)")
     p.add_argument("--validate-requests", type=int, default=32,
                    help="requests per real probe in --validate (default 32)")
     p.add_argument("--reference", default="cpu/gpt2_pp2", help="--validate also measures this config")

@@ -1,4 +1,5 @@
-"""`pp-runtime plan --validate N`: the plan's top N and a reference config, for real.
+"""`pp-runtime plan --validate N`: the best deployment of each of the plan's top N layouts
+and a reference config, for real.
 
 Each deployment is written as a config (`report.write_config`), served by `replicas`
 `pp-runtime serve` processes on 127.0.0.1, and its capacity searched with the load
@@ -90,7 +91,7 @@ def measure(name: str, cfg: Config, replicas: int, slo: Slo, start: float, out: 
 def validate(args, rank: list[Result], configs: dict, slo: Slo, out: Path) -> int:
     """Predicted / measured capacity of the top N and of --reference (module docstring)."""
     log = lambda text: print(text, flush=True)  # noqa: E731
-    chosen = rank[:args.validate]
+    chosen = top_layouts(rank, args.validate)
     if any(r.candidate.layout.pp > 2 or configs[r.candidate].hardware.gpu != "cpu" for r in chosen):
         raise ConfigError("--validate runs small models on this machine's CPU pipeline: "
                           "plan with --gpu cpu and pp <= 2")
@@ -121,6 +122,16 @@ def validate(args, rank: list[Result], configs: dict, slo: Slo, out: Path) -> in
     log(f"the plan's choice / the reference, measured: "
         f"{best / reference if reference else float('inf'):.2f}x")
     return 0
+
+
+def top_layouts(rank: list[Result], n: int) -> list[Result]:
+    """The best deployment of each of the n best layouts (tp, pp, replicas), best first:
+    what a real run can tell apart (two chunk sizes of one layout differ by less than a
+    real probe's noise)."""
+    best: dict = {}
+    for r in rank:
+        best.setdefault(r.candidate.layout, r)
+    return list(best.values())[:n]
 
 
 def _mean_tokens(cfg: Config) -> float:
