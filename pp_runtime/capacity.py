@@ -197,19 +197,24 @@ def latency_figure(curves: dict[str, list[Probe]], tbt_slo: float, ttft_slo: flo
                         markerfacecolor=style["color"] if p.ok else "white")
     for ax, slo, name in ((axes[0], tbt_slo, "p99 time between tokens"),
                           (axes[1], ttft_slo, "median TTFT")):
-        if slo is not None:
-            ax.axhline(slo, color="#555555", lw=1, linestyle="--", label=f"SLO {slo * 1e3:.0f} ms")
-        ax.set_yscale("log")
-        ax.set_xlabel("request rate (QPS, Poisson)")
-        ax.set_ylabel(f"{name} (s)")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8, loc="best")
+        latency_axis(ax, slo, name, "request rate (QPS, Poisson)")
     axes[0].set_title("p99 TBT (filled: probe met the SLOs)", fontsize=10)
     axes[1].set_title("median TTFT", fontsize=10)
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def latency_axis(ax, slo: float | None, name: str, xlabel: str, fontsize: int = 8) -> None:
+    """One latency-against-rate panel's frame: the SLO dashed grey, a log scale, labels."""
+    if slo is not None:
+        ax.axhline(slo, color="#555555", lw=1, linestyle="--", label=f"SLO {slo * 1e3:.0f} ms")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"{name} (s)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=fontsize, loc="best")
 
 
 def plot_latency(curves: dict[str, list[Probe]], tbt_slo: float, ttft_slo: float | None,

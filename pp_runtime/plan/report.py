@@ -93,6 +93,7 @@ def plot(results: list[Result], slo: Slo, path: Path, title: str) -> Path | None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from pp_runtime.capacity import latency_axis
     from pp_runtime.telemetry.plots import _save, line_styles
 
     best: dict[str, Result] = {}
@@ -112,12 +113,7 @@ def plot(results: list[Result], slo: Slo, path: Path, title: str) -> Path | None
                         markerfacecolor=style["color"] if p.ok else "white")
     for ax, limit, what in ((axes[0], slo.tbt_s, "p99 time between tokens"),
                             (axes[1], slo.ttft_s, "p99 time to first token")):
-        ax.axhline(limit, color="#555555", lw=1, linestyle="--", label=f"SLO {_ms(limit)}")
-        ax.set_yscale("log")
-        ax.set_xlabel("request rate per GPU (req/s, Poisson)")
-        ax.set_ylabel(f"{what} (s)")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, loc="best")
+        latency_axis(ax, limit, what, "request rate per GPU (req/s, Poisson)", fontsize=7)
     axes[0].set_title("best deployment of each tp x pp (filled: met the SLOs)", fontsize=10)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
