@@ -166,6 +166,9 @@ class PlannerConfig:
     #                                its KV is written first); false: one micro-batch at a time
     pack_prefills: bool = True  # uniform: a prompt's last chunk leaves room -> the next
     #                             prompt's first chunk fills it
+    spread: bool = True  # uniform: when prefill is scarce, R / pp of the R running decodes
+    #                      and an even share of the prompt tokens in every micro-batch,
+    #                      each filled to the same predicted time (docs/planner.md)
     in_flight: int | None = None  # micro-batches in the pipeline at once; None = pp + 1
     #                               (pp > 1: one more hides the return of results to the
     #                               planner, as vLLM's async scheduling does), 1 with pp = 1
