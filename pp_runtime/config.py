@@ -172,6 +172,13 @@ class PlannerConfig:
     in_flight: int | None = None  # micro-batches in the pipeline at once; None = pp + 1
     #                               (pp > 1: one more hides the return of results to the
     #                               planner, as vLLM's async scheduling does), 1 with pp = 1
+    # gllm: gLLM's token-throttling knobs, defaults of gty111/gLLM @bc91d98 (docs/baselines.md)
+    gllm_maxp: int = 8192  # prefill tokens per micro-batch at most
+    gllm_minp: int = 32  # prefill tokens per micro-batch at least while several prompts wait
+    gllm_iterp: int = 8  # micro-batches over which the waiting prompt tokens should drain
+    gllm_maxd: int = 512  # sequences (rows) per micro-batch at most (and at most B)
+    gllm_kvthresh: float | None = None  # None: bc91d98's adaptive decode reserve; a share of
+    #                                     the KV pages: the fixed reserve of the paper's code
 
 
 @dataclass(frozen=True)
@@ -398,6 +405,11 @@ def validate(cfg: Config) -> None:
            f"must be >= 1, got {pl.token_budget}", "leave it unset for max_seq_len")
     _check(pl.in_flight is None or pl.in_flight >= 1, "planner.in_flight",
            f"must be >= 1, got {pl.in_flight}", "leave it unset for pp")
+    for knob in ("gllm_maxp", "gllm_minp", "gllm_iterp", "gllm_maxd"):
+        _check(getattr(pl, knob) >= 1, f"planner.{knob}", f"must be >= 1, got {getattr(pl, knob)}",
+               "use gLLM's default (maxp 8192, minp 32, iterp 8, maxd 512)")
+    _check(pl.gllm_kvthresh is None or 0 <= pl.gllm_kvthresh < 1, "planner.gllm_kvthresh",
+           f"must be in [0, 1), got {pl.gllm_kvthresh}", "use e.g. 0.05, or leave it unset")
     _check(pl.target_ms is None or pl.target_ms > 0, "planner.target_ms",
            f"must be > 0, got {pl.target_ms}", "leave it unset for the default target")
     _check(c.kv_slots is None or c.kv_slots >= 1, "cache.kv_slots",
