@@ -15,10 +15,11 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from pp_runtime.batch import MicroBatch, SampledTokens
 from pp_runtime.telemetry.bubbles import BubbleReport, StageAccumulator, add_microbatch
+from pp_runtime.telemetry.windows import AdmissionSnapshots, Cut, totals, windows
 
 TIMELINE_MBS = 300  # micro-batches per timeline window
 
@@ -46,6 +47,8 @@ class RunRecorder:
     request_mbs: Counter = field(default_factory=Counter)  # request id -> micro-batches
     token_gaps_s: array = field(default_factory=lambda: array("d"))  # time between tokens
     windows: dict[int, list[tuple]] = field(default_factory=dict)  # first index -> timeline rows
+    # each stage's totals before each micro-batch that carried a new request (windows.py)
+    admissions: AdmissionSnapshots = field(default_factory=AdmissionSnapshots)
     _last_token_s: dict[int, float] = field(default_factory=dict)
 
     @property
@@ -57,6 +60,8 @@ class RunRecorder:
         if _window_starts(n):
             self.windows[n] = []
         rows = self.windows.get(n - n % TIMELINE_MBS)  # None outside a window
+        rids = {s.request_id for s in mb.seqs}
+        self.admissions.before(rids, self.stages)  # before: the micro-batch opens a window
         prefill = decodes = 0
         for s in mb.seqs:
             if s.is_decode:
@@ -74,7 +79,6 @@ class RunRecorder:
                 rows.append((mb.mb_id, t.stage, start, end, t.wait_s, t.transfer_s, t.send_wait_s,
                              split.upstream, split.dependency, split.idle, split.downstream,
                              prefill, decodes))
-        rids = {s.request_id for s in mb.seqs}
         for col, v in zip(MB_COLUMNS, (mb.mb_id, prefill, decodes, prefill + decodes, len(rids),
                                        0.0 if first is None else first, last_end, compute, bubble)):
             self.mb_columns[col].append(v)
@@ -98,6 +102,12 @@ class RunRecorder:
         per_stage = [self.stages[s].stats() for s in sorted(self.stages)]
         mb = dict(zip(self.mb_columns["mb_id"], self.mb_columns["bubble_s"]))
         return BubbleReport(per_stage, mb, dict(self.request_bubble_s))
+
+    def run_windows(self, arrival_s: Mapping[int, float],
+                    finish_s: Mapping[int, float | None]) -> Cut:
+        """Each stage's parts in the warm-up, steady and tail windows, and the requests that
+        entered in each (windows.py); times: request id -> the driver's clock."""
+        return windows(self.admissions, totals(self.stages), arrival_s, finish_s)
 
     def timeline(self) -> dict[str, list[tuple]]:
         """Timeline rows (TIMELINE_COLUMNS) of the `start` window and, when the run is long

@@ -23,6 +23,7 @@ from pp_runtime.errors import ConfigError
 from pp_runtime.request import RequestOutput
 from pp_runtime.telemetry.bubbles import CAUSES, fractions_by_cause
 from pp_runtime.telemetry.recorder import MB_COLUMNS, TIMELINE_COLUMNS, RunRecorder
+from pp_runtime.telemetry.windows import format_windows, summarize
 
 
 @dataclass
@@ -90,6 +91,8 @@ def build_report(run: RunResult) -> dict[str, Any]:
     # run failed part-way) and tokens sampled
     tokens = prefill_ran + sum(r["output_tokens"] for r in requests)
     by_cause = fractions_by_cause(stats)
+    arrival = {r["id"]: r["arrival_s"] for r in requests}
+    finish = {r["id"]: r["finish_s"] for r in requests if r["finish_reason"] != "error"}
     gaps = np.concatenate([np.frombuffer(rec.token_gaps_s, dtype=float) for rec in run.replicas]) \
         if run.replicas else np.zeros(0)
     m, p, pl = cfg.model, cfg.parallel, cfg.planner
@@ -100,6 +103,8 @@ def build_report(run: RunResult) -> dict[str, Any]:
         "bubble_fraction": sum(by_cause.values()),
         "bubble_fraction_by_cause": by_cause,
         "per_stage": per_stage,
+        # warm-up, steady state, tail (telemetry/windows.py, docs/bubbles.md)
+        "windows": summarize([rec.run_windows(arrival, finish) for rec in run.replicas], arrival),
         "ttft_s": _stats([r["first_token_s"] - r["arrival_s"] for r in done
                           if r["first_token_s"] is not None], ("median", "p99")),
         "tbt_s": _stats(gaps, ("median", "p99")),
@@ -202,6 +207,7 @@ def format_summary(report: dict[str, Any]) -> str:
         f"bubble fraction {s['bubble_fraction']:.1%}"
         + (" (" + ", ".join(f"{c} {causes[c]:.1%}" for c in CAUSES if c in causes) + ")"
            if causes else ""),
+        *format_windows(s.get("windows"), s["bubble_fraction"]),  # older reports: none
         f"  bubble per request: median {_t(b['median'])}, p90 {_t(b['p90'])}, "
         f"p99 {_t(b['p99'])}, mean {_t(b['mean'])}",
         f"  TTFT median {_t(ttft['median'])}, p99 {_t(ttft['p99'])}; "
