@@ -166,9 +166,10 @@ class PlannerConfig:
     #                                its KV is written first); false: one micro-batch at a time
     pack_prefills: bool = True  # uniform: a prompt's last chunk leaves room -> the next
     #                             prompt's first chunk fills it
-    spread: bool = True  # uniform: when prefill is scarce, R / pp of the R running decodes
-    #                      and an even share of the prompt tokens in every micro-batch,
-    #                      each filled to the same predicted time (docs/planner.md)
+    spread: int = 4  # uniform: ceil(R / pp) of R running decodes per micro-batch, and when
+    #                  prompt tokens are scarce an even share of them over this many rounds
+    #                  of the pipeline, each micro-batch filled to the same predicted time
+    #                  (docs/planner.md); 0 = off (SARATHI's budget)
     in_flight: int | None = None  # micro-batches in the pipeline at once; None = pp + 1
     #                               (pp > 1: one more hides the return of results to the
     #                               planner, as vLLM's async scheduling does), 1 with pp = 1
@@ -410,6 +411,8 @@ def validate(cfg: Config) -> None:
                "use gLLM's default (maxp 8192, minp 32, iterp 8, maxd 512)")
     _check(pl.gllm_kvthresh is None or 0 <= pl.gllm_kvthresh < 1, "planner.gllm_kvthresh",
            f"must be in [0, 1), got {pl.gllm_kvthresh}", "use e.g. 0.05, or leave it unset")
+    _check(pl.spread >= 0, "planner.spread", f"must be >= 0 rounds, got {pl.spread}",
+           "0 turns it off; 4 is the default")
     _check(pl.target_ms is None or pl.target_ms > 0, "planner.target_ms",
            f"must be > 0, got {pl.target_ms}", "leave it unset for the default target")
     _check(c.kv_slots is None or c.kv_slots >= 1, "cache.kv_slots",

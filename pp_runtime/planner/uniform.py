@@ -11,6 +11,15 @@ budget (C, less one per decode with tile alignment), and:
   (`planner.pack_prefills`; Sarathi-Serve and DeepSpeed-FastGen pack the same way), so
   every micro-batch with prefill work carries exactly C tokens: whole matmul tiles, the
   same linear time;
+- spreads (`planner.spread`, pp > 1): with R requests decoding, each micro-batch takes at
+  most ceil(R / pp) of the ready decodes, so decodes ride in every micro-batch of a round
+  instead of in a few (gLLM's balanced decode budget); and when the prompt tokens left
+  are fewer than fill the next `spread` rounds of the pipeline (spread x in_flight
+  micro-batches; decode-heavy traffic, a batch's tail), their even share over those
+  micro-batches sets a predicted time T = time(ceil(R / pp) decodes at the mean KV length,
+  the share of prefill) and every micro-batch's prefill is sized so that the micro-batch
+  takes T: lighter where its decodes attend to long KV, heavier where few decodes were
+  ready. With prompt tokens to spare every micro-batch gets its full chunk, as SARATHI's;
 - with `planner.target_ms`, also caps each micro-batch's *predicted time* (attention over
   long KV, the paper's PB3, or a chunk late in a long prompt): the chunk that would
   overshoot is cut to the largest that fits (never under C / 8 tokens).
@@ -29,6 +38,7 @@ from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.sarathi import SarathiPlanner
 
 MAX_PACKED = 4  # prefill chunks in one micro-batch, at most
+INF = float("inf")
 
 
 class UniformPlanner(SarathiPlanner):
@@ -39,9 +49,11 @@ class UniformPlanner(SarathiPlanner):
         self.pack = cfg.planner.pack_prefills
         self.min_chunk = max(1, self.chunk_size // 8)
         target = cfg.planner.target_ms
-        self.target_s = float("inf") if target is None else target / 1e3
-        if target is not None and cost_model is None:  # the simulator's, for real runs too
-            from pp_runtime.costmodel import build_cost_model
+        self.target_s = INF if target is None else target / 1e3
+        self.pp, self.depth = cfg.parallel.pp, cfg.in_flight
+        self.spread = cfg.planner.spread if self.pp > 1 else 0  # rounds; 0 = off
+        if (target is not None or self.spread) and cost_model is None:
+            from pp_runtime.costmodel import build_cost_model  # the simulator's, for real runs too
             cost_model = build_cost_model(cfg)
         self.cost = cost_model
 
@@ -49,24 +61,52 @@ class UniformPlanner(SarathiPlanner):
         prefilling = self.prefilling()
         limit = self.max_batch - 1 if prefilling else self.max_batch
         ready = [r for r in self.idle() if r.num_scheduled >= r.prefill_len]
+        target = self.target_s
+        if self.spread:
+            share, target = self.even_shares(limit)
+            limit = min(limit, share)
         seqs = [self.decode(r) for r in ready[:limit]]
         if prefilling:
-            seqs += self.fill([s.kv_len for s in seqs], prefilling)
+            seqs += self.fill([s.kv_len for s in seqs], prefilling, target)
         return seqs
 
-    def fill(self, kv: list[int], prefilling: list) -> list[SeqChunk]:
+    def even_shares(self, limit: int) -> tuple[int, float]:
+        """The decodes one micro-batch takes (ceil(R / pp) of the R decoding requests) and
+        the predicted time its prefill fills up to: the time cap when prompt tokens are
+        plentiful, else the time of a micro-batch with that many decodes at the mean KV
+        length and its even share of the prompt tokens left over the next `spread` rounds."""
+        kv_sum = decoding = left = 0
+        start = None
+        for r in self.running:  # one pass: this runs for every micro-batch
+            if r.num_scheduled >= r.prefill_len:
+                decoding, kv_sum = decoding + 1, kv_sum + r.num_scheduled
+            else:
+                left += r.prefill_len - r.num_scheduled
+                start = r.num_scheduled if start is None else start
+        share = max(1, -(-decoding // self.pp))
+        horizon = self.spread * self.depth  # micro-batches the prompt tokens left spread over
+        decodes = min(share, limit)
+        room = self.chunk_size - (decodes if self.tile_align else 0)
+        if start is None or left >= horizon * room:
+            return share, self.target_s
+        kv = [kv_sum // decoding + 1] * decodes if decoding else []
+        even = self.cost.microbatch_time([(start, -(-left // horizon))], kv)
+        return share, min(even, self.target_s)
+
+    def fill(self, kv: list[int], prefilling: list, target: float = INF) -> list[SeqChunk]:
         """Prefill chunks beside decodes of these KV lengths, up to the budget (C tokens in
-        all with tile alignment, else C prefill tokens) and the time target: the first
-        prompt's next chunk, then (packing) the next prompts' first ones."""
+        all with tile alignment, else C prefill tokens) and the predicted-time `target`:
+        the first prompt's next chunk, then (packing) the next prompts' first ones. A
+        micro-batch without decodes takes at least C / 8 tokens, so prompts move."""
         chunks: list[tuple[int, int]] = []
         room = self.chunk_size - (len(kv) if self.tile_align else 0)
         out = []
         for req in prefilling[:MAX_PACKED]:
             start, left = req.num_scheduled, req.prefill_len - req.num_scheduled
-            n = self._largest_fit(chunks, kv, start, min(left, room))
+            n = self._largest_fit(chunks, kv, start, min(left, room), target)
             if n < min(left, self.min_chunk):  # too little time left for a useful chunk
-                if chunks:
-                    break
+                if chunks or (kv and target < self.target_s):
+                    break  # (spread: the decodes alone reach the even time)
                 n = min(left, self.min_chunk)  # alone: at least C / 8, so prompts move
             chunks.append((start, n))
             out.append(self.prefill(req, n))
@@ -76,14 +116,14 @@ class UniformPlanner(SarathiPlanner):
         return out
 
     def _largest_fit(self, chunks: list[tuple[int, int]], kv: list[int], start: int,
-                     hi: int) -> int:
+                     hi: int, target: float) -> int:
         """The largest n <= hi whose chunk (start, n) with `chunks` and the decodes fits
         the time target; 0 when none does. Times grow with n: binary search."""
         if hi <= 0:
             return 0
-        if self.target_s == float("inf"):
+        if target == INF:
             return hi
-        fits = lambda n: self.cost.microbatch_time([*chunks, (start, n)], kv) <= self.target_s  # noqa: E731
+        fits = lambda n: self.cost.microbatch_time([*chunks, (start, n)], kv) <= target  # noqa: E731
         if fits(hi):
             return hi
         lo, hi = 0, hi - 1
