@@ -45,6 +45,7 @@ VARIANTS = {  # label -> (planner, overrides)
     "uniform pp": ("uniform", {"in_flight": 8}),
     "uniform strict": ("uniform", {"chunk_pipelining": False}),
     "uniform no-pack": ("uniform", {"pack_prefills": False}),
+    "uniform no-spread": ("uniform", {"spread": 0}),
     "uniform time-cap": ("uniform", {}),  # target_ms: a full SARATHI micro-batch (time_cap_ms)
     "uniform C=512": ("uniform", {"chunk_size": 512}),
     "uniform C=1024": ("uniform", {"chunk_size": 1024}),
