@@ -43,7 +43,9 @@ def isolated_check(cfg, profile: Path) -> None:
     from pp_runtime.costmodel import build_cost_model
     from pp_runtime.worker import StageWorker
 
-    cost = build_cost_model(cfg.with_overrides(**{"hardware.profile": str(profile)}))
+    # the quiet profile alone (no executor's calibration: nothing runs beside the stage)
+    cost = build_cost_model(cfg.with_overrides(**{"hardware.profile": str(profile),
+                                                  "executor": "local"}))
     local = cfg.with_overrides(executor="local")
     workers = [StageWorker(local, s, torch.device("cpu")) for s in range(cfg.parallel.pp)]
     sampling, kv = Sampling(0.0, 1.0, 0), 400
@@ -67,11 +69,12 @@ def isolated_check(cfg, profile: Path) -> None:
 
 def row(name: str, s: dict) -> str:
     b = s["bubble_per_request_s"]["median"]
-    return (f"{name:<18}{s['makespan_s']:>10.2f}{s['throughput_tok_s']:>10.0f}"
+    return (f"{name:<24}{s['makespan_s']:>10.2f}{s['throughput_tok_s']:>10.0f}"
             f"{b * 1e3:>14.1f}{s['bubble_fraction']:>12.1%}")
 
 
 PARTS = ("busy", "transfer", "upstream", "downstream", "dependency", "idle")
+CHECKED = ("busy", "upstream", "downstream", "dependency")  # issue 22: each within 3 points
 
 
 def shares(st: dict) -> dict[str, float]:
@@ -100,7 +103,13 @@ def main() -> None:
     ap.add_argument("--planners", default="sarathi,orca-best",
                     help="comma-separated; the last is the baseline of the ratios")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="config override, e.g. parallel.layer_split=auto (repeatable)")
+                    help="config override, e.g. parallel.layer_split=auto or workload.qps=2 "
+                         "(Poisson arrivals; repeatable)")
+    ap.add_argument("--splits", default="default",
+                    help="comma-separated layer splits to run each planner with: default (the "
+                         "config's: auto with the profile), even, auto, or counts like 7/5")
+    ap.add_argument("--calibrate", type=int, default=10, metavar="N",
+                    help="requests of the calibration run (0: none; docs/costmodel.md)")
     args = ap.parse_args()
     out = Path(args.out)
     import yaml
@@ -112,16 +121,28 @@ def main() -> None:
     print(f"profile of this machine in {profile}/")
     if cfg.seq_len >= 256 + 249 + 8:  # its micro-batches need that many positions
         isolated_check(cfg, profile)
+    if args.calibrate:
+        from pp_runtime.costmodel.calibrate import calibrate
+        from pp_runtime.costmodel.calibration import describe
+        cal = calibrate(cfg, profile, requests=args.calibrate)
+        print(f"calibration ({args.calibrate} requests, split "
+              f"{'|'.join(map(str, cal.layer_split))}): {describe(cal)}")
     results = {}
-    planners = args.planners.split(",")
-    for planner in planners:  # the profile prices the simulator and layer_split: auto
-        c = cfg.with_overrides(planner=planner, **{"hardware.profile": str(profile)})
-        real = write_report(run_workload(c), out / f"real-{planner}")["summary"]
-        sim = write_report(simulate(c, progress=False), out / f"sim-{planner}")["summary"]
-        results[planner] = (real, sim)
+    planners = [f"{p} {s}" for p in args.planners.split(",") for s in args.splits.split(",")]
+    for name in planners:  # the profile prices the simulator and layer_split: auto
+        planner, split = name.split(" ")
+        c = cfg.with_overrides(planner=planner, **{"hardware.profile": str(profile)}, **(
+            {} if split == "default" else {"layer_split": split if split in ("even", "auto")
+                                           else [int(k) for k in split.split("/")]}))
+        c = c.with_layer_split_resolved()  # chosen once: the real and simulated runs share it
+        tag = f"{planner}-{split.replace('/', '_')}"
+        print(f"{name}: layer_split {'|'.join(map(str, c.layers_per_stage()))}", flush=True)
+        real = write_report(run_workload(c), out / f"real-{tag}")["summary"]
+        sim = write_report(simulate(c, progress=False), out / f"sim-{tag}")["summary"]
+        results[name] = (real, sim)
         print(format_summary({"summary": real}))
         print(format_summary({"summary": sim}))
-    print(f"\n{'run':<18}{'makespan s':>10}{'tok/s':>10}{'bubble/req ms':>14}{'bubble frac':>12}")
+    print(f"\n{'run':<24}{'makespan s':>10}{'tok/s':>10}{'bubble/req ms':>14}{'bubble frac':>12}")
     for planner, (real, sim) in results.items():
         print(row(f"real {planner}", real))
         print(row(f"sim {planner}", sim))
@@ -137,6 +158,10 @@ def main() -> None:
             print(f"{label}: {base} / {planner}: bubble fraction {frac:.2f}x, median bubble per "
                   f"request {med:.2f}x, makespan {b['makespan_s'] / a['makespan_s']:.2f}x")
     for planner, (real, sim) in results.items():
+        worst = max((abs(shares(b)[p] - shares(a)[p]), p, a["stage"])
+                    for a, b in zip(real["per_stage"], sim["per_stage"]) for p in CHECKED)
+        print(f"largest per-stage share gap, {planner}: {worst[0]:.1%} ({worst[1]} of stage "
+              f"{worst[2]}; target within 3 points)")
         gap = sim["makespan_s"] / real["makespan_s"] - 1
         print(f"simulated / real makespan, {planner}: {sim['makespan_s']:.2f} / {real['makespan_s']:.2f} s "
               f"= {gap:+.1%} (target within 10 %)")

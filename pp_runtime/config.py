@@ -118,11 +118,13 @@ class ParallelConfig:
     #              each request to the least-loaded one)
     layer_split: list[int] | str | None = None  # decoder layers per stage: a list (one count
     #   per stage, each >= 1, summing to num_layers), "auto" (stage times equalised by the
-    #   cost model: stage 0 also embeds, the last stage runs the LM head), or None: even,
-    #   earlier stages take the remainder. `Config.layers_per_stage` reads it.
+    #   cost model: stage 0 also embeds, the last stage runs the LM head), "even" (earlier
+    #   stages take the remainder) or None: auto with a hardware.profile, else even.
+    #   `Config.layers_per_stage` reads it.
 
 
 LAYER_SPLIT_AUTO = "auto"  # parallel.layer_split chosen by costmodel/balance.py
+LAYER_SPLIT_EVEN = "even"  # even, also where a profile exists (None: auto there)
 
 
 def even_split(num_layers: int, pp: int) -> list[int]:
@@ -273,9 +275,9 @@ class Config:
         cost model all cut the model here. "auto" prices the workload's micro-batches with
         the cost model (the one import pointing up, deferred; cached per process)."""
         split, m, pp = self.parallel.layer_split, self.model, self.parallel.pp
-        if split is None:
+        if split == LAYER_SPLIT_EVEN or (split is None and not self.hardware.profile) or pp == 1:
             return even_split(m.num_layers, pp)
-        if split == LAYER_SPLIT_AUTO:
+        if split is None or split == LAYER_SPLIT_AUTO:  # None: auto where a profile exists
             from pp_runtime.costmodel.balance import auto_layer_split
 
             return auto_layer_split(self)
@@ -290,7 +292,7 @@ class Config:
     def with_layer_split_resolved(self) -> "Config":
         """A copy whose layer_split is the explicit list ("auto" chosen here, once: what
         an executor hands its workers, so every process cuts the model the same way)."""
-        if self.parallel.layer_split != LAYER_SPLIT_AUTO:
+        if isinstance(self.parallel.layer_split, (list, tuple)):
             return self
         return self.with_overrides(layer_split=self.layers_per_stage())
 
@@ -467,8 +469,8 @@ def _check_layer_split(num_layers: int, p: ParallelConfig) -> None:
     split, where = p.layer_split, "parallel.layer_split"
     fix = (f"give {p.pp} counts (one per stage, each >= 1) summing to model.num_layers = "
            f"{num_layers}, e.g. {even_split(num_layers, p.pp)}, or use auto (balanced by the "
-           f"cost model) or null (even split)")
-    if split is None or split == LAYER_SPLIT_AUTO:
+           f"cost model) or even")
+    if split is None or split in (LAYER_SPLIT_AUTO, LAYER_SPLIT_EVEN):
         return
     _check(isinstance(split, (list, tuple)), where,
            f"unknown value {split!r}" if isinstance(split, str) else f"got {split!r}", fix)

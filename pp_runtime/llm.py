@@ -196,6 +196,8 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
 
     llm = LLM(cfg, checkpoint=checkpoint, executor=executor)
     name, device, t0 = llm.executor.name, str(llm.executor.device), time.perf_counter()
+    ran = getattr(llm.executor, "layer_split", None)  # what the workers hold (Ray reports it)
+    cfg = cfg.with_overrides(layer_split=list(ran)) if ran else cfg.with_layer_split_resolved()
     try:
         outputs = llm.generate(prompts, params, record, [s.arrival_s for s in specs])
     except driver.ExecutorFailed as exc:

@@ -26,6 +26,7 @@ stages take more layers, as the even split does). No torch.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Sequence
 
 from pp_runtime.config import Config
@@ -88,6 +89,15 @@ def balanced_split(num_layers: int, layer_s: float, extra_s: Sequence[float]) ->
     return split[::-1]
 
 
+def profile_stamp(profile: str | None) -> tuple:
+    """When a profile's files last changed (a new calibration changes the split)."""
+    if not profile:
+        return ()
+    path = Path(profile).expanduser()
+    return tuple(f.stat().st_mtime_ns if f.is_file() else 0
+                 for f in (path / "mlp.csv", path / "attention.csv", path / "calibration.json"))
+
+
 def auto_layer_split(cfg: Config) -> list[int]:
     """`parallel.layer_split: auto` for this config: `balanced_split` of the per-layer,
     embedding and head times summed over `typical_microbatches` (cached per process)."""
@@ -95,9 +105,10 @@ def auto_layer_split(cfg: Config) -> list[int]:
 
     w = cfg.workload
     key = (cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.planner, cfg.seq_len, cfg.hardware,
-           w.kind, w.pd_ratio, w.prompt_len, w.output_len)
+           cfg.runtime.executor, w.kind, w.pd_ratio, w.prompt_len, w.output_len,
+           profile_stamp(cfg.hardware.profile))
     if key not in _CHOSEN:
-        even = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layer_split=None))
+        even = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layer_split="even"))
         cost = build_cost_model(even)
         layer = emb = head = 0.0
         for weight, prefills, decode_kv_lens in typical_microbatches(cfg):

@@ -20,6 +20,8 @@ from typing import Sequence
 import numpy as np
 
 from pp_runtime.config import Config
+from pp_runtime.costmodel import calibration
+from pp_runtime.costmodel.calibration import Calibration, ComputeFit
 from pp_runtime.costmodel.devices import device_spec
 from pp_runtime.costmodel.network import all_reduce, gather, send
 from pp_runtime.costmodel.pricing import (Priced, Pricing, Target, attention, layer_ops,
@@ -47,7 +49,17 @@ def build_pricing(cfg: Config) -> Pricing:
 
 
 def build_cost_model(cfg: Config) -> "StageCostModel":
-    return StageCostModel(cfg, build_pricing(cfg))
+    return StageCostModel(cfg, build_pricing(cfg), find_calibration(cfg))
+
+
+def find_calibration(cfg: Config) -> Calibration | None:
+    """The profile's calibration of the executor this config runs on, at its pp (None
+    without a profile, or when that executor and depth were never calibrated)."""
+    if not cfg.hardware.profile:
+        return None
+    p = cfg.parallel
+    kind = calibration.executor_kind(cfg.runtime.executor, p.tp, p.pp)
+    return calibration.load(cfg.hardware.profile, kind, p.pp)
 
 
 def table(p: Priced | None, size: int) -> np.ndarray:
@@ -63,9 +75,11 @@ def table(p: Priced | None, size: int) -> np.ndarray:
 class StageCostModel:
     """Seconds of compute per stage for a micro-batch; seconds to send it between stages."""
 
-    def __init__(self, cfg: Config, pricing: Pricing):
+    def __init__(self, cfg: Config, pricing: Pricing, cal: Calibration | None = None):
         pp, tp = cfg.parallel.pp, cfg.parallel.tp
-        self.pricing = pricing
+        self.pricing, self.calibration = pricing, cal
+        self.fit = cal.compute if cal else ComputeFit()  # identity without a calibration
+        self.host = cal.host if cal else None  # the simulator's host costs (executors/sim.py)
         self.layers = cfg.layers_per_stage()  # layers per stage
         self.deepest = self.layers.index(max(self.layers))  # stage that breakdown() reports
         # stage s holds GPUs [s*tp, (s+1)*tp); a send crosses nodes when first GPUs differ
@@ -102,7 +116,9 @@ class StageCostModel:
             attn += self._prefill(start, n)
         if tokens >= self._size:
             self._grow(2 * tokens)
-        return self._layer[tokens] + attn, self._emb[tokens], self._head[nd + len(prefills)]
+        rows, fit = nd + len(prefills), self.fit
+        return (fit.per_layer(self._layer[tokens] + attn), fit.extra(self._emb[tokens]),
+                fit.extra(self._head[rows], rows))
 
     def stage_times(self, prefills: Sequence[tuple[int, int]],
                     decode_kv_lens: Sequence[int]) -> list[float]:
@@ -151,6 +167,11 @@ class StageCostModel:
             out["embedding"] = self._emb[tokens]
         if s == len(self.layers) - 1:
             out["lm_head"] = self._head[rows]
+        fit = self.fit
+        if self.calibration is not None:  # contention and what the tables leave out
+            out = {name: fit.scale * t for name, t in out.items()}
+            out["calibrated_overhead"] = k * fit.per_layer_s + (
+                fit.per_row_s * rows if s == len(self.layers) - 1 else 0.0)
         return out
 
     def sources(self) -> dict[str, str]:
@@ -164,4 +185,6 @@ class StageCostModel:
         out["send_intra_node"] = p.send_intra.source
         if p.gather is not None:
             out["send_all_gather"] = p.gather.source
+        if self.calibration is not None:
+            out["calibration"] = calibration.describe(self.calibration)
         return out

@@ -108,6 +108,10 @@ class StageActor:
         tokens = out.tokens if isinstance(out, SampledTokens) and self.tp_rank == 0 else None
         return tokens, timing
 
+    def layers(self) -> tuple[int, int]:
+        """Layers [lo, hi) this rank's worker holds: the split that runs."""
+        return self.worker.lo, self.worker.hi
+
     def progress(self) -> int:
         """Micro-batches this rank has finished (answered from outside the compiled graph's
         thread: the hung rank is the one furthest behind)."""
@@ -195,6 +199,9 @@ class RayExecutor(CompiledGraphPath):
         self.warm_ups = self._gather([self._call(i, "start", spec) for i in ranks],
                                      rt.startup_timeout_s,
                                      "joining the process group and loading weights")
+        spans = self._gather([self._call(s * self.tp, "layers") for s in range(self.pp)],
+                             rt.startup_timeout_s, "reporting its layers")
+        self.layer_split = [hi - lo for lo, hi in spans]  # what the workers hold (reports)
         if rt.compiled_graph:
             self.dag = self._compile()
 

@@ -18,6 +18,16 @@ For one micro-batch submitted at virtual time `now`, stage by stage:
 The last stage returns one synthetic token (0) per sampling sequence: a request stops at
 the output length its workload gave it (`max_tokens`, EOS ignored). `wait` advances the
 clock to the end of the micro-batch on the last stage, when the driver would get its result.
+
+Host costs (`cost.host`, a `costmodel.calibration.HostCost` measured on the real executor;
+none: all zero) are charged where the real pipeline pays them:
+
+  the driver's clock    += plan + submit                 at every submit (the driver's turn)
+  arrival               = now + plan + dispatch          the call reaches the stages
+  take_s                = max(free_s + call(s), arrival) a stage's time between two calls
+  the driver's result   = max_s(free_s) + return         at `wait` (every stage answers)
+
+so a stage holding no micro-batch in between shows as `dependency`, as on the real one.
 """
 from __future__ import annotations
 
@@ -53,7 +63,11 @@ class SimExecutor:
 
     def __init__(self, cost: StageCost, pp: int, clock: VirtualClock):
         self.cost, self.clock = cost, clock
-        self.free = [0.0] * pp  # when each stage ends its last call (compute + send wait)
+        host = getattr(cost, "host", None)
+        self.call = [host.between_calls(s) if host else 0.0 for s in range(pp)]
+        self.plan, self.submit_s, self.dispatch, self.ret = (
+            (host.plan_s, host.submit_s, host.dispatch_s, host.return_s) if host else (0.0,) * 4)
+        self.free = [float("-inf")] * pp  # when each stage ended its last call (compute + send wait)
         self.received = [0.0] * pp  # when each stage finished receiving its last micro-batch
         self._done: dict[int, tuple[float, SampledTokens]] = {}
 
@@ -66,12 +80,15 @@ class SimExecutor:
                 prefills.append((s.start, len(s.token_ids)))
             if s.sampling is not None:
                 sampled[s.request_id] = 0
-        now, free, received, timings = self.clock.now, self.free, self.received, []
-        num_tokens, posted, end = sum(n for _, n in prefills) + len(decodes), 0.0, 0.0
+        free, received, timings, call = self.free, self.received, [], self.call
+        now = self.clock.now + self.plan + self.dispatch  # the call reaches the stages
+        self.clock.now += self.plan + self.submit_s  # the driver's turn
+        num_tokens, posted, end, done = sum(n for _, n in prefills) + len(decodes), 0.0, 0.0, 0.0
         costs = self.cost.stage_times(prefills, decodes)
         last = len(costs) - 1
         for stage, compute in enumerate(costs):
-            take = free[stage] if free[stage] > now else now
+            ready = free[stage] + call[stage]  # -inf before its first call
+            take = ready if ready > now else now
             if stage == 0:
                 wait = transfer = 0.0
                 start = take
@@ -83,9 +100,10 @@ class SimExecutor:
             nxt = received[stage + 1] if stage < last else 0.0
             block = nxt - end if nxt > end else 0.0
             posted = free[stage] = end + block
+            done = posted if posted > done else done
             received[stage] = start
             timings.append(StageTiming(mb.mb_id, stage, 0, wait, transfer, start, end, block))
-        self._done[mb.mb_id] = (end, SampledTokens(mb.mb_id, sampled, tuple(timings)))
+        self._done[mb.mb_id] = (done + self.ret, SampledTokens(mb.mb_id, sampled, tuple(timings)))
         return mb.mb_id
 
     def wait(self, handle: int) -> SampledTokens:

@@ -65,7 +65,7 @@ class Candidate:
         p = self.layout
         return base.with_overrides(**{
             "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.dp": 1,
-            "parallel.layer_split": "auto" if self.layer_split == "auto" and p.pp > 1 else None,
+            "parallel.layer_split": "auto" if self.layer_split == "auto" and p.pp > 1 else "even",
             "planner.planner": self.planner, "planner.chunk_size": self.chunk_size,
             "planner.max_batch_size": self.max_batch_size, "planner.in_flight": self.in_flight})
 

@@ -116,7 +116,8 @@ def build_report(run: RunResult) -> dict[str, Any]:
         "prefix_cache_hit_tokens": sum(r["cached_tokens"] for r in requests),
         "deployment": {"model": m.name, "tp": p.tp, "pp": p.pp, "dp": p.dp,
                        "gpu": _hardware(cfg) if run.executor == "sim" else (run.device or cfg.runtime.device),
-                       "chunk_size": pl.chunk_size, "max_batch_size": pl.max_batch_size},
+                       "chunk_size": pl.chunk_size, "max_batch_size": pl.max_batch_size,
+                       "layer_split": cfg.layers_per_stage()},  # resolved: what ran
         "run_wall_s": run.run_wall_s,
         "partial": run.interrupted_by is not None,  # stopped early: see interrupted_by
         "interrupted_by": run.interrupted_by,
@@ -202,7 +203,8 @@ def format_summary(report: dict[str, Any]) -> str:
     causes = s.get("bubble_fraction_by_cause", {})
     lines = [
         f"{s['planner']} on {d['model']} tp={d['tp']} pp={d['pp']} dp={d['dp']} ({d['gpu']}, "
-        f"{s['executor']}): {s['num_requests']} requests, {s['num_microbatches']} micro-batches",
+        f"{s['executor']}): {s['num_requests']} requests, {s['num_microbatches']} micro-batches"
+        + (", layer_split " + "|".join(map(str, d["layer_split"])) if d.get("layer_split") else ""),
         f"  makespan {_t(s['makespan_s'])}, throughput {s['throughput_tok_s']:.0f} tok/s, "
         f"bubble fraction {s['bubble_fraction']:.1%}"
         + (" (" + ", ".join(f"{c} {causes[c]:.1%}" for c in CAUSES if c in causes) + ")"

@@ -56,7 +56,7 @@ def test_auto_on_a_made_up_cost_model_is_worked_out_by_hand(monkeypatch):
     assert cfg.layers_per_stage() == [7, 5]
     assert [cfg.stage_layers(s) for s in (0, 1)] == [(0, 7), (7, 12)]
     assert cfg.with_layer_split_resolved().parallel.layer_split == [7, 5]
-    assert len(built) == 1 and built[0].parallel.layer_split is None  # priced on an even cut
+    assert len(built) == 1 and built[0].parallel.layer_split == "even"  # priced on an even cut
     # pp = 3: slowest 5 at best (14 layer-times); [5, 5, 2], [5, 4, 3], [4, 5, 3] tie on
     # every measure, and earlier stages keep more
     assert cfg.with_overrides(pp=3).layers_per_stage() == [5, 5, 2]

@@ -214,3 +214,43 @@ def test_ten_thousand_simulated_requests_with_preemptions_each_end_once_whole():
     preempted = sum(r.num_preemptions for r in run.requests)
     assert preempted > 1000
     assert build_report(run)["summary"]["preemptions"] == preempted
+
+
+class Host:
+    """Host costs as `costmodel.calibration.HostCost` carries them (hand-picked)."""
+    plan_s, submit_s, dispatch_s, return_s = 0.5, 0.25, 1.0, 1.0
+
+    def between_calls(self, stage):
+        return 0.5
+
+
+def test_host_costs_show_as_dependency_in_a_hand_computed_schedule():
+    """Two stages costing 2 each, host costs plan 0.5, submit 0.25, dispatch 1, 0.5
+    between calls, return 1. mb0 reaches the stages at 0 + 0.5 + 1 = 1.5: stage 0 runs
+    1.5-3.5, stage 1 3.5-5.5, the driver has it at 6.5. mb1 is submitted at 0.75 (after
+    the first turn), reaches them at 2.25, but stage 0 takes it only at 3.5 + 0.5 = 4 and
+    stage 1 at 5.5 + 0.5 = 6 (its input came at 6 too): 4-6 and 6-8, the driver has it at
+    9. Each stage's 0.5 between the calls is dependency, not busy or upstream."""
+    cost = ConstantCost(2, base=2.0)
+    cost.host = Host()
+    clock = VirtualClock()
+    ex = SimExecutor(cost, 2, clock)
+    h0 = ex.submit(mb(0, 1, rid=0))
+    assert clock() == 0.75  # the driver's turn: plan + submit
+    h1 = ex.submit(mb(1, 1, rid=1))
+    assert clock() == 1.5
+    o0 = ex.wait(h0)
+    assert clock() == 6.5  # stage 1 ended at 5.5, the result's return trip 1
+    o1 = ex.wait(h1)
+    assert clock() == 9.0
+    got = [(t.mb_id, t.stage, t.compute_start_s, t.compute_end_s, t.wait_s)
+           for o in (o0, o1) for t in o.timings]
+    assert got == [(0, 0, 1.5, 3.5, 0), (0, 1, 3.5, 5.5, 2.0), (1, 0, 4.0, 6.0, 0), (1, 1, 6.0, 8.0, 0)]
+    rep = account([t for o in (o0, o1) for t in o.timings], {0: [0], 1: [1]})
+    assert [s.bubble_by_cause_s["dependency"] for s in rep.per_stage] == [0.5, 0.5]
+    assert [s.bubble_by_cause_s["upstream"] for s in rep.per_stage] == [0.0, 2.0]  # the fill
+    # without host costs the same two micro-batches run back to back: no dependency
+    plain = SimExecutor(ConstantCost(2, base=2.0), 2, VirtualClock())
+    outs = [plain.wait(h) for h in [plain.submit(mb(i, 1, rid=i)) for i in range(2)]]
+    rep = account([t for o in outs for t in o.timings], {0: [0], 1: [1]})
+    assert [s.bubble_by_cause_s["dependency"] for s in rep.per_stage] == [0.0, 0.0]

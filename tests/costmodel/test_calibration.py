@@ -1,0 +1,74 @@
+"""Calibration (costmodel/calibration.py, calibrate.py): what a short real run adds to a
+quiet profile, read back by the cost model and the default split. Hand-computed cases."""
+import pytest
+
+from pp_runtime.batch import StageTiming
+from pp_runtime.config import Config
+from pp_runtime.costmodel import balance, calibration
+from pp_runtime.costmodel.calibrate import host_costs
+from pp_runtime.costmodel.calibration import Calibration, ComputeFit, HostCost
+from pp_runtime.costmodel.model import StageCostModel, build_pricing, find_calibration
+
+
+def test_host_costs_of_a_hand_made_run():
+    """Three micro-batches submitted at 0, 0.2, 0.4 (0.1 each); stage 0 takes the first 1.0
+    after its submit (idle: dispatch), then each next call 0.3 after freeing (queued), stage
+    1 0.2 after; the driver holds results 0.2, 0.3, 0.3 after the last stage ends."""
+    times = {0: [0.0, 0.1, 0.5, 3.2], 1: [0.2, 0.3, 3.2, 5.3], 2: [0.4, 0.5, 5.3, 7.3]}
+    t = StageTiming
+    timings = {0: [t(0, 0, 0, 0.0, 0.0, 1.0, 2.0), t(0, 1, 0, 0.9, 0.1, 2.1, 3.0)],
+               1: [t(1, 0, 0, 0.0, 0.0, 2.3, 3.3), t(1, 1, 0, 0.1, 0.1, 3.4, 5.0)],
+               2: [t(2, 0, 0, 0.0, 0.0, 3.6, 4.6), t(2, 1, 0, 0.0, 0.1, 5.3, 7.0)]}
+    h = host_costs(times, timings, 2)
+    assert h.submit_s == pytest.approx(0.1) and h.plan_s == pytest.approx(0.1)
+    assert h.dispatch_s == pytest.approx(1.0) and h.return_s == pytest.approx(0.3)
+    assert h.call_s == pytest.approx((0.3, 0.2))
+
+
+def test_saved_calibration_is_found_by_executor_and_depth(tmp_path):
+    cal = Calibration("ray", 2, ComputeFit(1.5, 0.001, 0.0), HostCost(call_s=(0.002, 0.003)),
+                      (7, 5), 100, 0.1)
+    calibration.save(tmp_path, cal)
+    calibration.save(tmp_path, Calibration("torchrun", 2))
+    assert calibration.load(tmp_path, "ray", 2) == cal
+    assert calibration.load(tmp_path, "ray", 3) is None
+    cfg = Config().with_overrides(pp=2, **{"hardware.profile": str(tmp_path)})
+    assert calibration.executor_kind(cfg.runtime.executor, 1, 2) == "ray"  # auto at pp 2
+    assert find_calibration(cfg) == cal
+    assert find_calibration(cfg.with_overrides(executor="torchrun")).key == "torchrun/pp2"
+    assert find_calibration(Config().with_overrides(pp=2)) is None  # no profile
+
+
+def test_the_cost_model_prices_a_calibrated_stage_by_the_fit():
+    """stage s: scale * (its price) + per_layer_s * layers + per_row_s * rows (last only)."""
+    cfg = Config().with_overrides(pp=2, layer_split=[7, 5])
+    pricing = build_pricing(cfg)
+    plain = StageCostModel(cfg, pricing)
+    fit = ComputeFit(scale=1.25, per_layer_s=0.002, per_row_s=0.0005)
+    cal = StageCostModel(cfg, pricing, Calibration("ray", 2, fit, HostCost(return_s=0.01)))
+    prefills, decodes = [(0, 120)], [300] * 7  # 8 sampling rows
+    raw, got = plain.stage_times(prefills, decodes), cal.stage_times(prefills, decodes)
+    assert got[0] == pytest.approx(1.25 * raw[0] + 7 * 0.002)
+    assert got[1] == pytest.approx(1.25 * raw[1] + 5 * 0.002 + 8 * 0.0005)
+    assert cal.host.return_s == 0.01 and plain.host is None
+    assert sum(cal.breakdown(prefills, decodes).values()) == pytest.approx(got[0])
+    assert "calibration" in cal.sources()
+
+
+class MadeUpCost:
+    def parts(self, prefills, decode_kv_lens):
+        return 1.0, 0.0, 2.0  # an LM head as costly as 2 layers
+
+
+def test_the_split_is_balanced_by_default_where_a_profile_exists(monkeypatch, tmp_path):
+    from pp_runtime.costmodel import model
+
+    monkeypatch.setattr(balance, "_CHOSEN", {})
+    monkeypatch.setattr(model, "build_cost_model", lambda cfg: MadeUpCost())
+    base = Config().with_overrides(num_layers=12, pp=2)
+    assert base.layers_per_stage() == [6, 6]  # no profile: even
+    profiled = base.with_overrides(**{"hardware.profile": str(tmp_path)})
+    assert profiled.parallel.layer_split is None and profiled.layers_per_stage() == [7, 5]
+    assert profiled.with_layer_split_resolved().parallel.layer_split == [7, 5]
+    assert profiled.with_overrides(layer_split="even").layers_per_stage() == [6, 6]
+    assert profiled.with_overrides(layer_split=[5, 7]).layers_per_stage() == [5, 7]  # honoured
