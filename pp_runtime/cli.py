@@ -35,7 +35,7 @@ from pp_runtime.workload import generate as generate_workload
 from pp_runtime.driver import ExecutorFailed
 from pp_runtime.request import InvalidRequestError, SamplingParams
 from pp_runtime.cli_run import (RUN_DEFAULT_CONFIG, describe_microbatch, kv_cache_text,
-                                run_base_config, run_prompt_args, what_runs,
+                                run_arrivals, run_base_config, run_prompt_args, what_runs,
                                 with_checkpoint_model)
 
 
@@ -75,6 +75,7 @@ def cmd_run(args) -> int:
     base = run_base_config(args)
     cfg = base.with_overrides(**overrides) if overrides else base.validate()
     n, lo, hi = run_prompt_args(args, cfg.seq_len)  # before anything starts
+    arrivals, qps = run_arrivals(args, n, args.seed or 0)
     print(what_runs(cfg, args), flush=True)
     llm = LLM(cfg, checkpoint=args.checkpoint)
     cfg = llm.config
@@ -91,7 +92,8 @@ def cmd_run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=seed)
     print(f"{n} requests, prompts of {min(map(len, prompts))}..{max(map(len, prompts))} "
-          f"tokens, {args.max_tokens} new tokens each")
+          f"tokens, {args.max_tokens} new tokens each" + (
+              f", Poisson arrivals at {qps:g} req/s over {arrivals[-1]:.1f} s" if qps else ""))
     rec, executor, failed = RunRecorder(time.perf_counter), llm.executor.name, None
     device = str(llm.executor.device)  # resolved: "cpu" or "cuda", not the config's "auto"
 
@@ -102,7 +104,7 @@ def cmd_run(args) -> int:
 
     t1 = time.perf_counter()
     try:
-        outputs = llm.generate(prompts, params, on_microbatch=on_microbatch)
+        outputs = llm.generate(prompts, params, on_microbatch=on_microbatch, arrival_s=arrivals)
     except (ExecutorFailed, KeyboardInterrupt) as exc:  # a dead worker; Ctrl-C or SIGTERM
         if not hasattr(exc, "outputs"):  # interrupted before the requests were added
             raise
@@ -380,7 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint",
                      help="Hugging Face-format model directory: its shapes and weights, with "
                           "--config's other sections (alone: pp=1 in this process)")
-    run.add_argument("--requests", type=int, default=None, help="requests (default 8)")
+    run.add_argument("--requests", type=int, default=None,
+                     help="requests (default 8; the main job, without --config: 20)")
+    run.add_argument("--qps", type=float, default=None,
+                     help="Poisson arrivals per second (default: all at once; the main job, "
+                          "without --config: 1.0); 0: all at once")
     run.add_argument("--min-prompt", type=int, default=None,
                      help="shortest random prompt (default: min(32, --max-prompt))")
     run.add_argument("--max-prompt", type=int, default=None,

@@ -102,3 +102,25 @@ def test_the_printed_lines():
                       "dependency 9.1%), 5.5 s (arrivals 3.0-3.0 s, idle 9.1%)")
     assert cost == "  warm-up 1.5 s at 33.3%, tail 4.0 s at 37.5%; whole run 36.4% (+0.0 points)"
     assert format_windows(None, 0.1) == []  # a report from before the windows
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_simulated_poisson_run_reports_windows_that_add_up(dp):
+    # the simulator's records go through the same recorder: the report's windows add up to
+    # its per-stage table (every replica's stages), and the warm-up ends at the first finish
+    from pp_runtime.simulate import simulate
+    from pp_runtime.telemetry.report import build_report, format_summary
+    from tests.telemetry.test_report import TokenCost, cfg
+
+    c = cfg(dp=dp).with_overrides(**{"workload.qps": 20.0, "workload.num_requests": 40})
+    report = build_report(simulate(c, TokenCost(2), progress=False))
+    s, w = report["summary"], report["summary"]["windows"]
+    wall = sum(st["wall_s"] for st in s["per_stage"])
+    bubble = sum(st["bubble_s"] for st in s["per_stage"])
+    assert sum(w[n]["stage_wall_s"] for n in ("warmup", "steady", "tail")) == pytest.approx(wall)
+    assert sum(w[n]["bubble_s"] for n in ("warmup", "steady", "tail")) == pytest.approx(bubble)
+    assert sum(w[n]["requests_entered"] for n in ("warmup", "steady", "tail")) == 40
+    assert w["steady"]["requests_entered"] > 0 and w["tail"]["requests_entered"] == dp
+    first_finish = min(r["finish_s"] for r in report["requests"])
+    assert w["steady"]["arrivals_s"][0] > first_finish >= w["warmup"]["arrivals_s"][1]
+    assert "  steady state: bubble fraction" in format_summary(report)
