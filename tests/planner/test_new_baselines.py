@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import add, contents, drive, planner
+from pp_runtime.batch import SampledTokens
 
 THREE = [(10, 3), (5, 2), (12, 2)]  # (prompt tokens, max tokens)
 
@@ -99,53 +100,95 @@ def test_sarathi_serve_never_light_while_a_prompt_could_fill_it(work, pp, batch,
     assert all(r.finish_reason is not None for r in p.requests.values())
 
 
-# ---- gllm: decodes spread over pp micro-batches, prefills throttled ------------------------
+# ---- sarathi-serve: admission only with a chunk, max_num_seqs ------------------------------
+def test_sarathi_serve_admits_a_prompt_only_when_it_gets_a_chunk():
+    """Sarathi-Serve allocates a prompt's blocks in phase 2, when the budget has room for its
+    first chunk (`_schedule` 196-235): the others keep theirs free."""
+    p = serve(paged=True, block_size=4)
+    first = p.schedule(0.0)
+    assert contents([first]) == [[(0, 0, 8, False)]]
+    assert [r.request_id for r in p.waiting] == [1, 2]
+    assert p.kv.pool.num_blocks - p.kv.pool.num_free == 3  # 10 tokens in blocks of 4
+
+
+def test_sarathi_serve_max_num_seqs_caps_running_requests():
+    """cache.max_running = Sarathi-Serve's max_num_seqs = 1: a prompt waits until the one
+    running finishes, though the budget has room."""
+    p = serve(max_running=1)
+    assert contents(drive(p, 1)) == [
+        [(0, 0, 8, False)],
+        [(0, 8, 2, False)],  # 6 tokens left in the budget, but one request already runs
+        [(0, 10, 1, True)],
+        [(0, 11, 1, True)],
+        [(1, 0, 5, False)],
+        [(1, 5, 1, True)],
+        [(2, 0, 8, False)],
+        [(2, 8, 4, False)],
+        [(2, 12, 1, True)],
+    ]
+
+
+# ---- gllm: decodes spread over pp micro-batches, prefills throttled by pages ----------------
+def gllm(**overrides):
+    return planner("gllm", **overrides)
+
+
 def test_gllm_spreads_decodes_over_the_micro_batches_in_flight():
-    """8 requests decoding, pp = 4: each micro-batch carries 8 / 4 = 2 decodes (a SARATHI
-    micro-batch takes every ready decode, up to B)."""
-    p = planner("gllm", max_batch_size=8, pp=4, chunk_pipelining=False)
+    """8 requests decoding, pp = 4: R = ready + in flight = 8, so each micro-batch carries
+    8 // 4 = 2 decodes; ready decodes go most recently returned first (gLLM appends left)."""
+    p = gllm(max_batch_size=8, pp=4, chunk_pipelining=False)
     for rid in range(8):
         add(p, rid, 4, 3)
     log = contents(drive(p, 4))
-    assert log[0] == [(rid, 0, 4, False) for rid in range(8)]  # 32 tokens = MINP: all go
-    assert log[1:] == [[(a, pos, 1, True), (a + 1, pos, 1, True)]
-                       for pos in (4, 5) for a in (0, 2, 4, 6)]
+    assert log[0] == [(rid, 0, 4, False) for rid in range(8)]  # 32 tokens = minp: all go
+    assert log[1:] == [[(a, 4, 1, True), (a - 1, 4, 1, True)] for a in (7, 5, 3, 1)] + \
+        [[(a, 5, 1, True), (a + 1, 5, 1, True)] for a in (6, 4, 2, 0)]
 
 
-def test_gllm_rotating_jitter_spreads_the_remainder():
-    """5 running decodes, pp = 2: budgets (5 + j) // 2 with j = 0, 1, 0, ... (j advances
-    once per micro-batch gLLM composes)."""
-    p = planner("gllm", max_batch_size=4, pp=2, chunk_pipelining=False)
-    for rid in range(5):
-        add(p, rid, 6, 4)
+def test_gllm_running_decodes_count_sequences_in_flight():
+    """pp = 2, 4 requests: after the first pair goes, R = 2 ready + 2 in flight = 4, so the
+    next micro-batch takes (4 + 1) // 2 = 2, not (2 + 1) // 2 = 1."""
+    p = gllm(max_batch_size=8, pp=2)
+    for rid in range(4):
+        add(p, rid, 4, 3)
     assert contents(drive(p, 2)) == [
-        [(0, 0, 6, False), (1, 0, 6, False), (2, 0, 6, False), (3, 0, 6, False)],  # B = 4
-        [(4, 0, 6, False)],  # one prompt waits: no queue cap; 4 decodes in flight: j = 0 used
-        [(0, 6, 1, True), (1, 6, 1, True), (2, 6, 1, True)],  # (5 + 1) // 2 = 3
-        [(3, 6, 1, True), (4, 6, 1, True)],  # (5 + 0) // 2 = 2
-        [(0, 7, 1, True), (1, 7, 1, True), (2, 7, 1, True)],
-        [(3, 7, 1, True), (4, 7, 1, True)],
-        [(0, 8, 1, True), (1, 8, 1, True), (2, 8, 1, True)],
-        [(3, 8, 1, True), (4, 8, 1, True)],
+        [(0, 0, 4, False), (1, 0, 4, False), (2, 0, 4, False), (3, 0, 4, False)],
+        [(3, 4, 1, True), (2, 4, 1, True)],  # R = 4 ready: (4 + 0) // 2
+        [(1, 4, 1, True), (0, 4, 1, True)],  # R = 2 ready + 2 in flight: (4 + 1) // 2
+        [(2, 5, 1, True), (3, 5, 1, True)],
+        [(0, 5, 1, True), (1, 5, 1, True)],
+    ]
+
+
+def test_gllm_maxd_caps_rows_prefill_first():
+    """pp = 1 (no throttle), maxd = 3 rows: three prompts take every row; then the fourth
+    prompt's chunk leaves 2 rows for the 3 ready decodes (gLLM: maxd - prefill rows)."""
+    p = gllm(max_batch_size=8, pp=1, gllm_maxd=3)
+    for rid in range(4):
+        add(p, rid, 4, 2)
+    assert contents(drive(p, 1)) == [
+        [(0, 0, 4, False), (1, 0, 4, False), (2, 0, 4, False)],
+        [(2, 4, 1, True), (1, 4, 1, True), (3, 0, 4, False)],
+        [(3, 4, 1, True), (0, 4, 1, True)],
     ]
 
 
 def test_gllm_prefill_budget_drains_the_queue_over_iterp_micro_batches():
-    """Prompts of 200, 100, 40 tokens (pp = 2, KV 8 slots x 512 tokens): the budget is
-    max(waiting prompt tokens // 8, 32), below the KV ramp (~8192); a lone prompt goes
-    whole."""
-    p = planner("gllm", max_batch_size=4, pp=2, max_positions=512, chunk_pipelining=True)
+    """Prompts of 200, 100, 40 tokens (pp = 2, 256 pages of 16): the budget is
+    max(waiting prompt tokens // iterp, minp), below the page ramp (~8000); a lone prompt
+    goes whole."""
+    p = gllm(max_batch_size=4, pp=2, max_positions=512, chunk_pipelining=True)
     for rid, n in enumerate((200, 100, 40)):
         add(p, rid, n, 2)
     assert contents(drive(p, 2)) == [
         [(0, 0, 42, False)],  # 340 // 8
         [(0, 42, 37, False)],  # 298 // 8, pipelined behind 0's first chunk
         [(0, 79, 32, False)],  # 261 // 8 = 32
-        [(0, 111, 32, False)],  # 229 // 8 = 28 -> MINP
+        [(0, 111, 32, False)],  # 229 // 8 = 28 -> minp
         [(0, 143, 32, False)],
         [(0, 175, 25, False), (1, 0, 7, False)],  # 0's prompt ends: 1 takes the rest
         [(1, 7, 32, False)],
-        [(0, 200, 1, True), (1, 39, 32, False)],  # 1 running decode < pp: budget 1
+        [(0, 200, 1, True), (1, 39, 32, False)],  # R = 1 ready + 1 in flight: 1 decode
         [(1, 71, 29, False), (2, 0, 3, False)],  # 0 finished
         [(2, 3, 37, False)],  # the only prompt left: no queue cap
         [(1, 100, 1, True)],
@@ -153,25 +196,61 @@ def test_gllm_prefill_budget_drains_the_queue_over_iterp_micro_batches():
     ]
 
 
+def test_gllm_iterp_and_minp_are_knobs():
+    """iterp 2, minp 8: 340 // 2 = 170 tokens first, then 170 // 2 = 85."""
+    p = gllm(max_batch_size=4, pp=2, max_positions=512, gllm_iterp=2, gllm_minp=8)
+    for rid, n in enumerate((200, 100, 40)):
+        add(p, rid, n, 2)
+    assert contents(drive(p, 2))[:2] == [[(0, 0, 170, False)], [(0, 170, 30, False), (1, 0, 55, False)]]
+
+
 def test_gllm_single_rank_skips_the_throttle():
-    """pp = tp = 1 (gLLM: world size 1): prefill budget min(MAXP, free KV - reserve)."""
-    p = planner("gllm", max_batch_size=4, pp=1, max_positions=512)
+    """pp = tp = 1 (gLLM: world size 1): prefill budget min(maxp, free pages - reserve)."""
+    p = gllm(max_batch_size=4, pp=1, max_positions=512)
     for rid, n in enumerate((200, 100, 40)):
         add(p, rid, n, 2)
     assert contents(drive(p, 1)) == [
         [(0, 0, 200, False), (1, 0, 100, False), (2, 0, 40, False)],
-        [(0, 200, 1, True), (1, 100, 1, True), (2, 40, 1, True)],
+        [(2, 40, 1, True), (1, 100, 1, True), (0, 200, 1, True)],
     ]
 
 
-def test_gllm_full_kv_slows_prefill_but_never_stops_it():
-    """One slot of 64 tokens, a 62-token prompt: the KV reserve (5 % = 3 tokens) caps the
-    first chunk at 61; then free KV - reserve is 0 and gLLM would give 0, but a slot is
-    reserved at admission here, so MINP keeps the prompt moving."""
-    p = planner("gllm", max_batch_size=4, pp=2, max_positions=64, kv_slots=1,
-                chunk_pipelining=True)
-    add(p, 0, 62, 2)
-    assert contents(drive(p, 2)) == [[(0, 0, 61, False)], [(0, 61, 1, False)], [(0, 62, 1, True)]]
+def test_gllm_no_prefill_while_free_pages_are_at_the_reserve():
+    """16 pages of 4 tokens, a fixed reserve of 4 pages (kvthresh 0.25), pp = 2. Prompt 0
+    (48 tokens) takes 12 pages in two chunks (32 = the queue cap, then 16 = the pages above
+    the reserve); free pages = reserve, so P = 0: prompt 1 waits while 0 decodes (its
+    decode takes a page from the reserve), and starts when 0 finishes."""
+    p = gllm(max_batch_size=4, pp=2, max_positions=64, kv_slots=1, block_size=4,
+             gllm_kvthresh=0.25, chunk_pipelining=True)
+    add(p, 0, 48, 3)
+    add(p, 1, 8, 1)
+    log = drive(p, 2)
+    assert contents(log) == [
+        [(0, 0, 32, False)],
+        [(0, 32, 16, False)],
+        [(0, 48, 1, True)],
+        [(0, 49, 1, True)],
+        [(1, 0, 8, False)],
+    ]
+    assert p.kv.pool.num_blocks == 16 and p.num_stalls == 0
+
+
+def test_gllm_preempts_the_ready_decode_with_most_pages():
+    """No free page for the decodes to run: gLLM preempts ready decodes, most pages first
+    (`check_preempt`), and raises its reserve ratio by 0.05."""
+    p = gllm(max_batch_size=4, pp=1, max_positions=64, kv_slots=1, block_size=4)
+    add(p, 0, 4, 8)
+    add(p, 1, 8, 8)
+    mb = p.schedule(0.0)
+    assert contents([mb]) == [[(0, 0, 4, False), (1, 0, 8, False)]]  # 1 + 2 pages
+    p.on_result(mb, SampledTokens(mb.mb_id, {0: 5, 1: 5}), 1.0)
+    for _ in range(p.pool.num_free):  # the pool full from outside
+        p.pool.take()
+    ratio = p.ratio
+    mb = p.schedule(1.0)  # 2 decodes want 2 pages: 1 (2 pages) goes, 0 decodes
+    assert contents([mb]) == [[(0, 4, 1, True)]]
+    assert p.requests[1].num_preemptions == 1 and [r.request_id for r in p.waiting] == [1]
+    assert p.ratio == pytest.approx(ratio + 0.05 - 0.002)
 
 
 @pytest.mark.parametrize("name", ["sarathi-serve", "gllm"])
