@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests (default 8; the main job, without --config: 20)")
     run.add_argument("--qps", type=float, default=None,
                      help="Poisson arrivals per second (default: all at once; the main job, "
-                          "without --config: 1.0); 0: all at once")
+                          "without --config: 1.6); 0: all at once")
     run.add_argument("--min-prompt", type=int, default=None,
                      help="shortest random prompt (default: min(32, --max-prompt))")
     run.add_argument("--max-prompt", type=int, default=None,

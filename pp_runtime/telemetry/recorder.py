@@ -5,7 +5,9 @@ runs. It applies the bubble rule online (`bubbles.StageAccumulator`, one per sta
 live metrics do) and keeps only what the reports need, in compact arrays: one row per
 micro-batch, the bubble and micro-batch count of every request, the times between
 consecutive tokens, and the full per-stage timings of two windows of micro-batches for the
-timeline: the run's start and its steady state. A 100K-request simulation thus keeps a few
+timeline: the run's start and its steady state; and each stage's running totals before
+every micro-batch that carries a request for the first time, which cut the run into
+warm-up, steady state and tail (`windows.py`). A 100K-request simulation thus keeps a few
 numbers per micro-batch instead of a `StageTiming` object per micro-batch and stage.
 
 Times in the rows are seconds from each stage's own start (stages need no common clock).
