@@ -74,12 +74,13 @@ class GllmPlanner(BasePlanner):
     def admit(self, now: float) -> None:
         """No slot gate: an arrived request starts when its first chunk's pages fit."""
 
-    def prompts(self, now: float, started: list[Request]):
+    def prompts(self, now: float, started: list[Request], stuck: bool = False):
         """gLLM's prefill queue in order, lazily: preempted requests (at the head of
-        `waiting`), admitted prompts with tokens left, then arrived requests. The caller
-        admits each waiting one before asking for the next."""
+        `waiting`), admitted prompts with tokens left, then arrived requests (`stuck`: the
+        admitted ones first). The caller admits each waiting one before asking for the
+        next."""
         waiting = self.waiting
-        while waiting and waiting[0].num_preemptions and waiting[0].arrival_s <= now:
+        while not stuck and waiting and waiting[0].num_preemptions and waiting[0].arrival_s <= now:
             yield waiting[0]
         yield from started
         while waiting and waiting[0].arrival_s <= now:
@@ -139,11 +140,11 @@ class GllmPlanner(BasePlanner):
         return budget
 
     # ---- composing -----------------------------------------------------------------------
-    def prefills(self, now: float, budget: int, reserve: int) -> list[SeqChunk]:
+    def prefills(self, now: float, budget: int, reserve: int, stuck: bool = False) -> list[SeqChunk]:
         """Chunks in queue order while P, rows and pages above the reserve last; pages are
         taken here, for the tokens scheduled (`schedule_prefill_batch`)."""
         out, kv = [], self.kv
-        for r in self.prompts(now, self.prefilling()):
+        for r in self.prompts(now, self.prefilling(), stuck):
             if budget <= 0 or len(out) >= self.rows:
                 break
             new = r.blocks is None
@@ -197,7 +198,7 @@ class GllmPlanner(BasePlanner):
         else:
             reserve = self.reserve_pages()
             budget = self.prefill_budget(now, reserve)
-        chunks = self.prefills(now, budget, reserve)
+        chunks = self.prefills(now, budget, reserve, stuck)
         running_decodes = len(self.ready) + self.in_flight_rows
         budget = min(self.decode_budget(running_decodes), self.rows - len(chunks))
         seqs = self.decodes(budget) + chunks
@@ -213,7 +214,8 @@ class GllmPlanner(BasePlanner):
         while not seqs and not self.in_flight_rows and self.running:
             # Liveness guard, not in gLLM: nothing in flight and P = 0 (free pages at the
             # reserve, held by prompts part-way through) would stall gLLM for good. Plan
-            # with every free page and no ramp; with none free, preempt the newest request.
+            # with every free page and no ramp, the admitted prompts first; with none free,
+            # preempt the newest request.
             self.num_stalls += 1
             seqs = self.plan(now, stuck=True)
             if not seqs:
