@@ -53,10 +53,11 @@ class AttentionFit:
                             self.q_width, self.kv_width, self.head_dim, self.label)
 
 
-def nonneg_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares of relative error with coefficients >= 0: refit without any feature
-    whose coefficient came out negative (a small active-set loop; few features)."""
-    w = 1.0 / np.maximum(y, 1e-9)
+def nonneg_fit(x: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
+    """Least squares of relative error (else of the error itself) with coefficients >= 0:
+    refit without any feature whose coefficient came out negative (a small active-set
+    loop; few features)."""
+    w = 1.0 / np.maximum(y, 1e-9) if relative else np.ones_like(y)
     active = list(range(x.shape[1]))
     while active:
         coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)

@@ -11,8 +11,8 @@ and when each stage takes, computes and frees it. From those:
 
 - the compute fit (`ComputeFit`): every (micro-batch, stage) compute time against the
   profile's price of the same micro-batch on that stage, non-negative least squares of
-  relative error (`attention.nonneg_fit`); the first 2 * pp micro-batches are warm-up
-  and left out;
+  the error in seconds (`attention.nonneg_fit`: the long micro-batches make the run's
+  time, so they weigh most); the first 2 * pp micro-batches are warm-up and left out;
 - the host costs (`HostCost`), medians over the micro-batches where each is visible:
   plan (the driver's time before a submit), submit, dispatch (submit to an idle stage 0
   taking it), each stage's time between calls (when the next call was already queued),
@@ -125,23 +125,20 @@ def fit_compute(cfg: Config, mbs: dict[int, MicroBatch],
     if not y:
         return ComputeFit(), 0, 0.0
     xa, ya = np.array(x), np.array(y)
-    coef = nonneg_fit(xa, ya)
+    coef = nonneg_fit(xa, ya, relative=False)  # seconds: the run's total time is what counts
     rms = float(np.sqrt(np.mean(((xa @ coef) / ya - 1) ** 2)))
     return ComputeFit(float(coef[0]), float(coef[1]), float(coef[2])), len(y), rms
 
 
-def calibrate(cfg: Config, profile: str | Path, requests: int = 10, executor=None,
-              save: bool = True) -> Calibration:
-    """Run a short real workload on `cfg`'s executor (or `executor`, already started) and
-    fit what the profile misses; saved into the profile's calibration.json."""
+WHOLE_PROMPTS = "orca-best"  # the second calibration run: whole prompts in one micro-batch
+
+
+def _run(cfg: Config, executor) -> tuple[TimedExecutor, dict, dict]:
+    """One calibration run: (the timed executor, micro-batches, their stage timings)."""
     from pp_runtime.executors import make_executor
     from pp_runtime.llm import run_workload
 
-    cfg = cfg.with_overrides(**{"hardware.profile": str(profile), "workload.num_requests": requests,
-                                "workload.qps": None})
-    cfg = cfg.with_layer_split_resolved()
-    inner = executor if executor is not None else make_executor(cfg)
-    timed = TimedExecutor(inner)
+    timed = TimedExecutor(executor if executor is not None else make_executor(cfg))
     mbs: dict[int, MicroBatch] = {}
     timings: dict[int, Sequence[StageTiming]] = {}
 
@@ -149,9 +146,29 @@ def calibrate(cfg: Config, profile: str | Path, requests: int = 10, executor=Non
         mbs[mb.mb_id], timings[mb.mb_id] = mb, out.timings
 
     run_workload(cfg, on_microbatch=record, executor=timed)
-    p = cfg.parallel
+    return timed, mbs, timings
+
+
+def calibrate(cfg: Config, profile: str | Path, requests: int = 10, executor=None,
+              save: bool = True) -> Calibration:
+    """Run a short real workload on `cfg`'s executor (or `executor`, already started) and
+    fit what the profile misses; saved into the profile's calibration.json. Without an
+    `executor` a second run of `requests` // 2 whole prompts (`WHOLE_PROMPTS`) adds long
+    micro-batches to the compute fit (the host costs come from the first run)."""
+    cfg = cfg.with_overrides(**{"hardware.profile": str(profile), "workload.num_requests": requests,
+                                "workload.qps": None})
+    cfg = cfg.with_layer_split_resolved()
+    timed, mbs, timings = _run(cfg, executor)
     fit, points, rms = fit_compute(cfg, mbs, timings)
-    kind = calibration.executor_kind(getattr(inner, "name", cfg.runtime.executor), p.tp, p.pp)
+    if executor is None and requests >= 2 and cfg.planner.planner != WHOLE_PROMPTS:
+        whole = cfg.with_overrides(planner=WHOLE_PROMPTS, num_requests=requests // 2)
+        _, mbs2, timings2 = _run(whole, None)
+        n, cold = max(mbs) + 1, sorted(mbs2)[:WARM_UP * cfg.parallel.pp]  # new actors' warm-up
+        fit, points, rms = fit_compute(
+            cfg, {**mbs, **{n + i: mb for i, mb in mbs2.items() if i not in cold}},
+            {**timings, **{n + i: t for i, t in timings2.items()}})
+    p = cfg.parallel
+    kind = calibration.executor_kind(getattr(timed.inner, "name", cfg.runtime.executor), p.tp, p.pp)
     cal = Calibration(kind, p.pp, fit, host_costs(timed.times, timings, p.pp),
                       tuple(cfg.layers_per_stage()), points, rms)
     if save:
