@@ -351,6 +351,10 @@ def cmd_profile(args) -> int:
     path = measure_profile(cfg, out, quick=args.quick, progress=not args.quiet)
     print(f"profile of {cfg.model.name} (tp={cfg.parallel.tp}) written to {path}/ in "
           f"{time.perf_counter() - t0:.0f} s; simulate with it: --set hardware.profile={path}")
+    if args.calibrate:  # a short real run on the config's executor (docs/costmodel.md)
+        from pp_runtime.costmodel.calibrate import calibrate
+        from pp_runtime.costmodel.calibration import describe
+        print(f"calibration: {describe(calibrate(cfg, path, requests=args.calibrate))}")
     return 0
 
 
@@ -441,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", help="profile directory (default: runs/profile-MODEL)")
     prof.add_argument("--quick", action="store_true", help="fewer points (about a minute)")
     prof.add_argument("--quiet", action="store_true", help="no progress bar")
+    prof.add_argument("--calibrate", type=int, default=0, metavar="N",
+                      help="then run N requests on the config's executor (ray) to measure "
+                           "contention and host costs into calibration.json")
     prof.set_defaults(func=cmd_profile)
 
     from pp_runtime.serve.command import add_parser as add_serve  # no fastapi import
