@@ -9,7 +9,10 @@ tokens plus one per decode: SARATHI's fused linear layers), so per layer
 
 times the stage's layers (`Config.layers_per_stage`: even, explicit or balanced); the
 first stage adds the embedding, the last the final norm and LM head over the rows that
-sample (every decode and, for simplicity, every prefill chunk).
+sample (every decode and, for simplicity, every prefill chunk). With a calibration of the
+executor in the profile (`calibration.py`) each part is corrected by its compute fit
+(contention, per-layer and per-row work the tables leave out), and `host` carries the
+host costs the simulator charges.
 The simulator calls `stage_times` for every micro-batch, so everything that depends on T
 alone is a Python list indexed by T (grown on demand); the rest are closed forms.
 """
