@@ -124,6 +124,37 @@ def requests_for(rate: float, span_s: float, lo: int, hi: int) -> int:
     return max(lo, min(hi, math.ceil(rate * span_s)))
 
 
+def run_mix(cfg, executor, mix: str, spec: tuple, loads, args, bar, lines: list[str],
+            out: Path) -> dict:
+    """One mix: its capacity, then every load and planner; rows appended to lines."""
+    pd, min_len, max_len = spec
+    mcfg = cfg.with_overrides(**{"workload.pd_ratio": pd, "workload.min_len": min_len,
+                                 "workload.max_len": max_len})
+    bar.set_postfix_str(f"{mix} capacity")
+    cap, detail = capacity(mcfg, executor, args.n_cap, out / mix / "capacity")
+    bar.update()
+    result = {"pd_ratio": pd, "lengths": [min_len, max_len], "capacity_req_s": cap,
+              "capacity": detail, "runs": {}}
+    tqdm.write(f"{mix} (P:D {pd:g}, {min_len}..{max_len} tokens): capacity {cap:.3f} req/s "
+               f"({args.n_cap} requests at time 0: busiest stage {detail['bottleneck_busy_s']:.1f} s "
+               f"busy, makespan {detail['makespan_s']:.1f} s, i.e. {detail['offline_req_s']:.3f} "
+               "req/s offline)", file=sys.stdout)
+    for load in loads:
+        qps, runs = load * cap, {}
+        n = requests_for(qps, args.span, args.min_requests, args.max_requests)
+        for planner in PLANNERS:
+            bar.set_postfix_str(f"{mix} {load:.0%} {planner}")
+            runs[planner] = poisson_run(mcfg, executor, planner, qps, n,
+                                        out / mix / f"{load:.0%}-{planner}".replace("%", "pct"))
+            bar.update()
+            lines.append(row(mix, load, runs[planner]))
+            tqdm.write(lines[-1], file=sys.stdout)
+        lines.append(ratio_line(mix, load, runs))
+        tqdm.write(lines[-1], file=sys.stdout)
+        result["runs"][f"{load:.0%}"] = runs
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="cpu/gpt2_pp2")
@@ -136,9 +167,9 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity-requests", type=int, default=None, help="default 32, --quick 16")
     ap.add_argument("--out", default="runs/steady_state")
     args = ap.parse_args(argv)
-    span = args.span or (15.0 if args.quick else 30.0)
-    lo = args.min_requests or (8 if args.quick else 20)
-    n_cap = args.capacity_requests or (16 if args.quick else 32)
+    args.span = args.span or (15.0 if args.quick else 30.0)
+    args.min_requests = args.min_requests or (8 if args.quick else 20)
+    args.n_cap = args.capacity_requests or (16 if args.quick else 32)
     mixes = {"balanced": MIXES["balanced"]} if args.quick else MIXES
     loads = LOADS[:1] if args.quick else LOADS
     cfg = load_config(args.config, **parse_overrides(args.set))
@@ -154,30 +185,8 @@ def main(argv=None) -> int:
     total = len(mixes) * (1 + len(loads) * len(PLANNERS))
     bar = tqdm(total=total, unit="run", desc="steady_state", file=sys.stderr)
     try:
-        for mix, (pd, min_len, max_len) in mixes.items():
-            mcfg = cfg.with_overrides(**{"workload.pd_ratio": pd, "workload.min_len": min_len,
-                                         "workload.max_len": max_len})
-            bar.set_postfix_str(f"{mix} capacity")
-            cap, detail = capacity(mcfg, executor, n_cap, out / mix / "capacity")
-            bar.update()
-            results[mix] = {"pd_ratio": pd, "lengths": [min_len, max_len], "capacity_req_s": cap, "capacity": detail, "runs": {}}
-            tqdm.write(f"{mix} (P:D {pd:g}, {min_len}..{max_len} tokens): capacity {cap:.3f} req/s ({n_cap} requests at time 0: "
-                       f"busiest stage {detail['bottleneck_busy_s']:.1f} s busy, makespan "
-                       f"{detail['makespan_s']:.1f} s, i.e. {detail['offline_req_s']:.3f} req/s "
-                       "offline)", file=sys.stdout)
-            for load in loads:
-                qps, runs = load * cap, {}
-                n = requests_for(qps, span, lo, args.max_requests)
-                for planner in PLANNERS:
-                    bar.set_postfix_str(f"{mix} {load:.0%} {planner}")
-                    runs[planner] = poisson_run(mcfg, executor, planner, qps, n,
-                                                out / mix / f"{load:.0%}-{planner}".replace("%", "pct"))
-                    bar.update()
-                    lines.append(row(mix, load, runs[planner]))
-                    tqdm.write(lines[-1], file=sys.stdout)
-                lines.append(ratio_line(mix, load, runs))
-                tqdm.write(lines[-1], file=sys.stdout)
-                results[mix]["runs"][f"{load:.0%}"] = runs
+        for mix, spec in mixes.items():
+            results[mix] = run_mix(cfg, executor, mix, spec, loads, args, bar, lines, out)
     finally:
         bar.close()
         executor._executor.shutdown()

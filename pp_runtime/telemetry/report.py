@@ -63,6 +63,14 @@ def _stage_row(replica: int, s) -> dict[str, Any]:
             "num_microbatches": s.num_microbatches}
 
 
+def _windows(replicas: list[RunRecorder], requests: list[dict]) -> dict:
+    """summary.windows: warm-up, steady state, tail (windows.py); a request that ended in
+    error did not finish."""
+    arrival = {r["id"]: r["arrival_s"] for r in requests}
+    finish = {r["id"]: r["finish_s"] for r in requests if r["finish_reason"] != "error"}
+    return summarize([rec.run_windows(arrival, finish) for rec in replicas], arrival)
+
+
 def build_report(run: RunResult) -> dict[str, Any]:
     """report.json's contents: the summary, the config and one entry per request."""
     cfg = run.cfg
@@ -91,8 +99,6 @@ def build_report(run: RunResult) -> dict[str, Any]:
     # run failed part-way) and tokens sampled
     tokens = prefill_ran + sum(r["output_tokens"] for r in requests)
     by_cause = fractions_by_cause(stats)
-    arrival = {r["id"]: r["arrival_s"] for r in requests}
-    finish = {r["id"]: r["finish_s"] for r in requests if r["finish_reason"] != "error"}
     gaps = np.concatenate([np.frombuffer(rec.token_gaps_s, dtype=float) for rec in run.replicas]) \
         if run.replicas else np.zeros(0)
     m, p, pl = cfg.model, cfg.parallel, cfg.planner
@@ -104,7 +110,7 @@ def build_report(run: RunResult) -> dict[str, Any]:
         "bubble_fraction_by_cause": by_cause,
         "per_stage": per_stage,
         # warm-up, steady state, tail (telemetry/windows.py, docs/bubbles.md)
-        "windows": summarize([rec.run_windows(arrival, finish) for rec in run.replicas], arrival),
+        "windows": _windows(run.replicas, requests),
         "ttft_s": _stats([r["first_token_s"] - r["arrival_s"] for r in done
                           if r["first_token_s"] is not None], ("median", "p99")),
         "tbt_s": _stats(gaps, ("median", "p99")),
