@@ -150,7 +150,7 @@ def _run(cfg: Config, executor) -> tuple[TimedExecutor, dict, dict]:
 
 
 def calibrate(cfg: Config, profile: str | Path, requests: int = 10, executor=None,
-              save: bool = True) -> Calibration:
+              save: bool = True, whole_prompts: bool = True) -> Calibration:
     """Run a short real workload on `cfg`'s executor (or `executor`, already started) and
     fit what the profile misses; saved into the profile's calibration.json. Without an
     `executor` a second run of `requests` // 2 whole prompts (`WHOLE_PROMPTS`) adds long
@@ -160,7 +160,7 @@ def calibrate(cfg: Config, profile: str | Path, requests: int = 10, executor=Non
     cfg = cfg.with_layer_split_resolved()
     timed, mbs, timings = _run(cfg, executor)
     fit, points, rms = fit_compute(cfg, mbs, timings)
-    if executor is None and requests >= 2 and cfg.planner.planner != WHOLE_PROMPTS:
+    if whole_prompts and executor is None and requests >= 2 and cfg.planner.planner != WHOLE_PROMPTS:
         whole = cfg.with_overrides(planner=WHOLE_PROMPTS, num_requests=requests // 2)
         _, mbs2, timings2 = _run(whole, None)
         n, cold = max(mbs) + 1, sorted(mbs2)[:WARM_UP * cfg.parallel.pp]  # new actors' warm-up
