@@ -25,6 +25,7 @@ it before applying the rule to each micro-batch); `windows()` cuts a run by the 
 """
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
 from typing import Iterable, Mapping, Sequence
 
@@ -46,10 +47,13 @@ def totals(stages: Mapping[int, StageAccumulator]) -> Totals:
 
 class AdmissionSnapshots:
     """Each stage's running totals just before each micro-batch that carried a request for
-    the first time (one snapshot per such micro-batch, shared by the requests it admitted)."""
+    the first time (one snapshot per such micro-batch, shared by the requests it admitted).
+    Kept flat (a 100K-request simulation takes a snapshot per request or so): snapshot i
+    is values[offsets[i]:offsets[i + 1]], (stage, *PARTS) per stage."""
 
     def __init__(self) -> None:
-        self.snapshots: list[Totals] = []
+        self.values = array("d")
+        self.offsets = array("q", [0])
         self.entered: dict[int, int] = {}  # request id -> the snapshot before it entered
 
     def before(self, request_ids: Iterable[int], stages: Mapping[int, StageAccumulator]) -> None:
@@ -57,9 +61,23 @@ class AdmissionSnapshots:
         new = [r for r in request_ids if r not in self.entered]
         if not new:
             return
-        self.snapshots.append(totals(stages))
+        values = self.values
+        for stage, a in stages.items():
+            values.extend((stage, a.wall_s, a.busy_s, a.transfer_s, a.upstream_s, a.downstream_s,
+                           a.dependency_s, a.idle_s))  # PARTS
+        i = len(self.offsets) - 1
+        self.offsets.append(len(self.values))
         for r in new:
-            self.entered[r] = len(self.snapshots) - 1
+            self.entered[r] = i
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self.offsets) - 1
+
+    def snapshot(self, i: int) -> Totals:
+        width = 1 + len(PARTS)
+        flat = self.values[self.offsets[i]:self.offsets[i + 1]]
+        return {int(flat[k]): tuple(flat[k + 1:k + width]) for k in range(0, len(flat), width)}
 
 
 def _diff(a: Totals, b: Totals) -> Totals:
@@ -84,9 +102,9 @@ def windows(snaps: AdmissionSnapshots, end: Totals, arrival_s: Mapping[int, floa
     steady = min([i for r, i in entered.items() if arrival_s.get(r, float("-inf")) > first_finish]
                  + [tail])
     opens = {"warmup": 0, "steady": steady, "tail": tail}
-    at = {"warmup": {}, "steady": snaps.snapshots[steady], "tail": snaps.snapshots[tail]}
+    at = {"warmup": {}, "steady": snaps.snapshot(steady), "tail": snaps.snapshot(tail)}
     until = {"warmup": at["steady"], "steady": at["tail"], "tail": end}
-    ends = {"warmup": steady, "steady": tail, "tail": len(snaps.snapshots)}
+    ends = {"warmup": steady, "steady": tail, "tail": snaps.num_snapshots}
     return {name: (_diff(at[name], until[name]),
                    sorted(r for r, i in entered.items() if opens[name] <= i < ends[name]))
             for name in WINDOWS}
