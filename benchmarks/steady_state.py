@@ -34,7 +34,7 @@ the config's 256..1024 tokens at P:D 1 a request would live over a minute).
 
 Requests per run: enough for about --span seconds of arrivals at that rate (at least
 --min-requests, at most --max-requests), so every run costs about the same time. The
-whole benchmark: about 13 min on the 2-core machine; --quick: the balanced mix at 70 %
+whole benchmark: 578 s on the 2-core machine; --quick: the balanced mix at 70 %
 only, shorter runs (about 2 min).
 
     python benchmarks/steady_state.py [--quick] [--out runs/steady_state] [--set FIELD=VALUE]
