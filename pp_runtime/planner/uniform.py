@@ -87,9 +87,9 @@ class UniformPlanner(SarathiPlanner):
         horizon = self.spread * self.depth  # micro-batches the prompt tokens left spread over
         decodes = min(share, limit)
         room = self.chunk_size - (decodes if self.tile_align else 0)
-        if start is None or left >= horizon * room:
-            return share, self.target_s
-        kv = [kv_sum // decoding + 1] * decodes if decoding else []
+        if start is None or decoding < self.pp or left >= horizon * room:  # (no decodes to
+            return share, self.target_s  # ride along: fill the pipeline with full chunks)
+        kv = [kv_sum // decoding + 1] * decodes
         even = self.cost.microbatch_time([(start, -(-left // horizon))], kv)
         return share, min(even, self.target_s)
 
