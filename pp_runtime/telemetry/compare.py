@@ -2,7 +2,7 @@
 
 Runs are compared on the same workload (the same `workload` section and seed), so the
 ratios are of one run against another in the same process, not against numbers from
-another day. The table has the bubble fraction and its split by cause (docs/bubbles.md).
+another day. The table has the bubble fraction, its split by cause and the steady window's (docs/bubbles.md).
 Writes `comparison.json`, `bubble_cdf.png`, `completions.png` and `bubble_by_cause.png`.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ COLUMNS = [  # (header, summary getter, format)
     ("upstream", lambda s: s.get("bubble_fraction_by_cause", {}).get("upstream", 0.0), "{:.1%}"),
     ("downstream", lambda s: s.get("bubble_fraction_by_cause", {}).get("downstream", 0.0), "{:.1%}"),
     ("dependency", lambda s: s.get("bubble_fraction_by_cause", {}).get("dependency", 0.0), "{:.1%}"),
+    ("steady frac", lambda s: _steady(s), "{:.1%}"),  # the steady window's (windows.py)
     ("TTFT median s", lambda s: s["ttft_s"]["median"], "{:.2f}"),
     ("TBT median ms", lambda s: s["tbt_s"]["median"] * 1e3, "{:.1f}"),
 ]
@@ -57,6 +58,13 @@ def compare_runs(run_dirs: list[Path], out_dir: Path) -> str:
     for path in plot_comparison(run_dirs, out_dir):
         lines.append(f"wrote {path}")
     return "\n".join(lines)
+
+
+def _steady(s: dict) -> float:
+    """The steady window's bubble fraction; nan for a report without windows, or with an
+    empty steady window (every request at once)."""
+    st = (s.get("windows") or {}).get("steady") or {}
+    return st["bubble_fraction"] if st.get("stage_wall_s") else float("nan")
 
 
 def _ratio(a: float, b: float) -> float | None:
