@@ -1,6 +1,8 @@
 """The 2024-25 baselines, `sarathi-serve` and `gllm`: exact micro-batch contents on
-hand-made requests, computed by hand from each published rule (docs/planner.md), and
-Sarathi-Serve's packing checked over random workloads."""
+hand-made requests, computed by hand from each upstream scheduler (docs/baselines.md):
+Sarathi-Serve's budget, lazy admission and max_num_seqs; gLLM's page back-pressure
+(P = 0 at the reserve), maxd rows, R counting sequences in flight, the iterp / minp queue
+cap and check_preempt; and Sarathi-Serve's packing checked over random workloads."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
