@@ -72,3 +72,27 @@ def test_the_split_is_balanced_by_default_where_a_profile_exists(monkeypatch, tm
     assert profiled.with_layer_split_resolved().parallel.layer_split == [7, 5]
     assert profiled.with_overrides(layer_split="even").layers_per_stage() == [6, 6]
     assert profiled.with_overrides(layer_split=[5, 7]).layers_per_stage() == [5, 7]  # honoured
+
+
+def test_the_compute_fit_recovers_a_known_contention():
+    """Stage compute made up as 1.3 x the profile's price + 2 ms a layer + 0.5 ms a sampling
+    row on the last stage: the fit finds those three numbers."""
+    from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+    from pp_runtime.costmodel.calibrate import WARM_UP, fit_compute
+
+    cfg = Config().with_overrides(pp=2, layer_split=[7, 5])
+    cost = StageCostModel(cfg, build_pricing(cfg))
+    mbs, timings, greedy = {}, {}, Sampling(0.0, 1.0, 0)
+    for i in range(WARM_UP * 2 + 12):
+        decodes = tuple(SeqChunk(r, r, 100 + 37 * i, (1,), greedy, True) for r in range(i % 8))
+        chunk = (SeqChunk(9, 9, 0, tuple(range(16 * (i % 5))), greedy),) if i % 5 else ()
+        mbs[i] = MicroBatch(i, decodes + chunk)
+        per_layer, emb, head = cost.parts([(0, len(c.token_ids)) for c in chunk],
+                                          [d.start + 1 for d in decodes])
+        rows = len(decodes) + len(chunk)
+        times = [7 * per_layer + emb, 5 * per_layer + head]
+        real = [1.3 * times[0] + 7 * 0.002, 1.3 * times[1] + 5 * 0.002 + 0.0005 * rows]
+        timings[i] = [StageTiming(i, s, 0, 0.0, 0.0, 10.0 * i, 10.0 * i + real[s]) for s in (0, 1)]
+    fit, points, rms = fit_compute(cfg, mbs, timings)
+    assert points == 24 and rms < 1e-6
+    assert (fit.scale, fit.per_layer_s, fit.per_row_s) == pytest.approx((1.3, 0.002, 0.0005))
