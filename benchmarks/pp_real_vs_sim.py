@@ -4,8 +4,11 @@ On this machine: PP=2 (two Ray actors, one process and one torch thread per stag
 127.0.0.1), GPT-2-small shapes with random weights, a Zipf workload
 (`pp_runtime/configs/cpu/gpt2_pp2.yaml`). In one run it
   1. measures a profile of this machine (`pp-runtime profile`, the model's own ops),
-  2. runs SARATHI and orca-best on the real runtime,
-  3. simulates both with that profile,
+  2. calibrates it on a short real run (`--calibrate N` requests: compute under contention
+     and host costs per micro-batch, docs/costmodel.md "Calibration"),
+  3. runs SARATHI and orca-best on the real runtime (the layer split resolved once, by
+     default `auto` from the profile; `--splits default,7/5` runs each split),
+  4. simulates both with that profile,
 and prints median bubble per request, bubble fraction, throughput and makespan for each,
 the SARATHI / orca ratios, the simulated / real makespan gap, and every stage's split
 (busy, transfer, upstream, downstream, dependency, idle as shares of its wall time), real
@@ -14,7 +17,10 @@ Targets (issue 5): SARATHI's bubble fraction <= 5 % and >= 3x lower than orca-be
 simulated makespan within 10 % of the real one.
 
     python benchmarks/pp_real_vs_sim.py [--requests 32] [--out runs/pp_real_vs_sim]
-        [--planners sarathi,gllm,uniform,orca-best] [--set parallel.layer_split=auto]
+        [--planners sarathi,gllm,uniform,orca-best] [--splits default,even,7/5]
+        [--set workload.qps=0.6] [--calibrate 10]
+Issue 22's targets: simulated makespan within 10 % of the real one and every stage's busy /
+upstream / downstream / dependency share within 3 points (both printed at the end).
 """
 from __future__ import annotations
 
