@@ -469,7 +469,7 @@ def _check_layer_split(num_layers: int, p: ParallelConfig) -> None:
     split, where = p.layer_split, "parallel.layer_split"
     fix = (f"give {p.pp} counts (one per stage, each >= 1) summing to model.num_layers = "
            f"{num_layers}, e.g. {even_split(num_layers, p.pp)}, or use auto (balanced by the "
-           f"cost model) or even")
+           f"cost model), even, or null (auto with a hardware.profile, else even)")
     if split is None or split in (LAYER_SPLIT_AUTO, LAYER_SPLIT_EVEN):
         return
     _check(isinstance(split, (list, tuple)), where,

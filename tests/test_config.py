@@ -133,7 +133,7 @@ def test_dotted_overrides_reach_sections_sharing_a_field_name():
     ([], 1, "has 0 entries for pp = 1"),
     ([6.0, 6.0], 2, "holds a non-integer"),
     ([True, 11], 2, "holds a non-integer"),
-    ("even", 2, "unknown value 'even'"),
+    ("evenly", 2, "unknown value 'evenly'"),  # "even" is a value (issue 22)
     (7, 2, "got 7"),
 ], ids=str)
 def test_a_bad_layer_split_names_the_field_and_the_fix(split, pp, problem):
