@@ -65,7 +65,7 @@ class GllmPlanner(BasePlanner):
         self.min_reserve = max(1, self.pp)
         self.ratio = self.INIT_RATIO
         self.jitter = 0  # gLLM's `_decode_budget_jitter`
-        self.ready: deque[Request] = deque()  # gLLM's seqs_to_decode: returned, not running
+        self.ready: deque[Request] = deque()  # gLLM's seqs_to_decode: returned, not in flight
         self.rows_in_flight: deque[int] = deque()  # sequences of each micro-batch in flight
         self.in_flight_rows = 0
         self.num_stalls = 0  # micro-batches only the liveness guard could compose
