@@ -14,6 +14,9 @@ Rows (docs/baselines.md says where each comes from):
   gllm best              the best of a coordinate sweep: maxp, then iterp, minp, maxd
   uniform                this project's planner with its defaults (the config as shipped)
   uniform paged          the same on pages (the anchors' KV model)
+  uniform best           the best of its own knobs on pages, a coordinate sweep as gLLM's:
+                         chunk_size, then B (at most C: tile alignment), then in_flight
+                         (pp + 1, or pp as the anchors run)
 Anchors run with pp micro-batches in flight, as each system does; paged anchors with B
 large enough never to bind (gLLM caps rows by maxd, Sarathi-Serve by max_num_seqs).
 `÷best` is makespan over the best anchor row of the setting (a sweep row included).
@@ -40,9 +43,11 @@ SERVE_DEFAULT = {"chunk_size": 512, "cache.max_running": 128}  # sarathi/config/
 GLLM_DEFAULT = {"gllm_maxp": 8192, "gllm_minp": 32, "gllm_iterp": 8, "gllm_maxd": 512}  # api_server.py 430-454
 FULL = {"serve_chunk": [256, 512, 1024], "serve_seqs": [128, None],
         "gllm_maxp": [2048, 8192, 16384], "gllm_iterp": [4, 8, 16], "gllm_minp": [32, 256],
-        "gllm_maxd": [128, 512]}
+        "gllm_maxd": [128, 512], "uni_chunk": [256, 512, 1024], "uni_batch": [128, 256, 512],
+        "uni_depth": ["pp"]}
 QUICK = {"serve_chunk": [256, 512], "serve_seqs": [128, None], "gllm_maxp": [2048, 8192],
-         "gllm_iterp": [8], "gllm_minp": [32], "gllm_maxd": [512]}
+         "gllm_iterp": [8], "gllm_minp": [32], "gllm_maxd": [512], "uni_chunk": [256, 512],
+         "uni_batch": [128], "uni_depth": ["pp"]}
 
 
 class Setting:
@@ -101,6 +106,22 @@ def gllm_rows(st: Setting, sweep: dict) -> tuple[dict, dict, list[dict]]:
     return default, best, tried
 
 
+def uniform_rows(st: Setting, sweep: dict) -> tuple[dict, list[dict]]:
+    """Coordinate sweep on pages from the config's knobs: C, then B (<= C), then depth."""
+    best = st.run("uniform", {"cache.paged": True})
+    knobs, tried = {"cache.paged": True}, []
+    for knob, values in (("chunk_size", sweep["uni_chunk"]), ("max_batch_size", sweep["uni_batch"]),
+                         ("in_flight", [st.pp if v == "pp" else v for v in sweep["uni_depth"]])):
+        for value in values:
+            if knob == "max_batch_size" and value > knobs.get("chunk_size", 256):
+                continue  # tile alignment: B - 1 decodes leave no prefill token beside them
+            r = st.run("uniform", {**knobs, knob: value})
+            tried.append(r)
+            best = min(best, r, key=makespan)
+        knobs = dict(best["overrides"])
+    return best, tried
+
+
 def makespan(r: dict) -> float:
     return r["summary"]["makespan_s"]
 
@@ -113,7 +134,11 @@ def knob_text(r: dict) -> str:
         return f"C {o['chunk_size']}, max_num_seqs {o['cache.max_running'] or 'pages'}"
     if r["planner"] == "sarathi":
         return "C, B of the config, slots"
-    return "paged" if o.get("cache.paged") else "config (slots)"
+    if not o.get("cache.paged"):
+        return "config (slots)"
+    extra = ", ".join(f"{k.replace('max_batch_size', 'B').replace('chunk_size', 'C')} {v}"
+                      for k, v in o.items() if k != "cache.paged")
+    return "paged" + (f", {extra}" if extra else "")
 
 
 HEADER = ("| row | knobs | makespan s | ÷best | bubble | TBT p50 | TBT p99 | TTFT p50 | preempt. |\n"
@@ -133,22 +158,25 @@ def setting_table(st: Setting, sweep: dict) -> dict:
     serve_default, serve_best, serve_tried = serve_rows(st, sweep)
     gllm_default, gllm_best, gllm_tried = gllm_rows(st, sweep)
     uni, uni_paged = st.run("uniform", {}), st.run("uniform", {"cache.paged": True})
+    uni_best, uni_tried = uniform_rows(st, sweep)
     anchors = [sar, serve_default, serve_best, gllm_default, gllm_best]
     best = min(makespan(r) for r in anchors)
     rows = [("sarathi", sar), ("sarathi-serve default", serve_default),
             ("sarathi-serve best", serve_best), ("gllm default", gllm_default),
-            ("gllm best", gllm_best), ("uniform", uni), ("uniform paged", uni_paged)]
+            ("gllm best", gllm_best), ("uniform", uni), ("uniform paged", uni_paged),
+            ("uniform best", uni_best)]
     tqdm.write("\n" + HEADER)
     for label, r in rows:
         tqdm.write(line(label, r, best))
     tqdm.write(f"\nuniform ÷ best anchor: {makespan(uni) / best:.3f} (slots), "
-          f"{makespan(uni_paged) / best:.3f} (paged)")
-    for name, tried in (("sarathi-serve", serve_tried), ("gllm", gllm_tried)):
+          f"{makespan(uni_paged) / best:.3f} (paged), {makespan(uni_best) / best:.3f} (its best knobs)")
+    for name, tried in (("sarathi-serve", serve_tried), ("gllm", gllm_tried), ("uniform", uni_tried)):
         distinct = {id(r): r for r in tried}.values()  # a cached run is tried once
         tqdm.write(f"sweep, makespan s: {name} " + ", ".join(
             f"[{knob_text(r)}] {makespan(r):.1f}" for r in distinct))
     return {label: r for label, r in rows} | {"uniform_over_best": makespan(uni) / best,
-                                              "uniform_paged_over_best": makespan(uni_paged) / best}
+                                              "uniform_paged_over_best": makespan(uni_paged) / best,
+                                              "uniform_best_over_best": makespan(uni_best) / best}
 
 
 def main() -> None:
@@ -162,8 +190,9 @@ def main() -> None:
     args = ap.parse_args()
     sweep, requests = (QUICK, min(args.requests, 600)) if args.quick else (FULL, args.requests)
     models, pds = args.models.split(","), [float(x) for x in args.pd.split(",")]
-    per = 5 + len(sweep["serve_chunk"]) * len(sweep["serve_seqs"]) + sum(
-        len(sweep[k]) for k in ("gllm_maxp", "gllm_iterp", "gllm_minp", "gllm_maxd"))
+    per = 6 + len(sweep["serve_chunk"]) * len(sweep["serve_seqs"]) + sum(
+        len(sweep[k]) for k in ("gllm_maxp", "gllm_iterp", "gllm_minp", "gllm_maxd", "uni_chunk",
+                                "uni_batch", "uni_depth"))
     out, results, t0 = Path(args.out), {}, time.perf_counter()
     with tqdm(total=per * len(models) * len(pds), unit="run", desc="anchors") as bar:
         for m in models:
