@@ -36,7 +36,7 @@ def compare_runs(run_dirs: list[Path], out_dir: Path) -> str:
     width = max(len(n) for n in names)
     lines = ["  ".join([f"{'run':<{width}}"] + [f"{h:>{max(len(h), 9)}}" for h, _, _ in COLUMNS])]
     for n, s in summaries.items():
-        cells = [f"{fmt.format(get(s)):>{max(len(h), 9)}}" for h, get, fmt in COLUMNS]
+        cells = [f"{_cell(fmt, get(s)):>{max(len(h), 9)}}" for h, get, fmt in COLUMNS]
         lines.append("  ".join([f"{n:<{width}}"] + cells))
     base = names[0]
     ratios = {}
@@ -65,6 +65,11 @@ def _steady(s: dict) -> float:
     empty steady window (every request at once)."""
     st = (s.get("windows") or {}).get("steady") or {}
     return st["bubble_fraction"] if st.get("stage_wall_s") else float("nan")
+
+
+def _cell(fmt: str, value: float) -> str:
+    """A table cell; "-" where there is no value (nan: no steady window)."""
+    return "-" if value != value else fmt.format(value)
 
 
 def _ratio(a: float, b: float) -> float | None:
