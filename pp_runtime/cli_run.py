@@ -53,8 +53,8 @@ def run_arrivals(args, n: int, seed: int) -> tuple[list[float] | None, float | N
         return None, None
     import numpy as np
 
-    gaps = np.random.default_rng(seed).exponential(1.0 / qps, size=n)
-    return [float(a) for a in np.cumsum(gaps)], qps
+    from pp_runtime.workload import poisson_arrivals
+    return [float(a) for a in poisson_arrivals(np.random.default_rng(seed), qps, n)], qps
 
 
 def run_base_config(args) -> Config:

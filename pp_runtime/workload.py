@@ -118,6 +118,11 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # NaN != NaN
 
 
+def poisson_arrivals(rng: np.random.Generator, qps: float, n: int) -> np.ndarray:
+    """n arrival times of a Poisson process at qps requests per second, from time 0."""
+    return np.cumsum(rng.exponential(1.0 / qps, size=n))
+
+
 def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
     """The requests of a workload, in arrival order."""
     cfg.validate()
@@ -126,7 +131,7 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
         specs = read_trace(cfg.trace)
         if cfg.qps is None:
             return specs
-        arrivals = np.cumsum(rng.exponential(1.0 / cfg.qps, size=len(specs)))
+        arrivals = poisson_arrivals(rng, cfg.qps, len(specs))
         return [RequestSpec(float(a), s.prompt_len, s.output_len) for a, s in zip(arrivals, specs)]
     n = cfg.num_requests
     if cfg.kind == "zipf":
@@ -134,8 +139,7 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
                    for t in zipf_lengths(n, cfg.min_len, cfg.max_len, cfg.theta, rng)]
     else:
         lengths = [(cfg.prompt_len, cfg.output_len)] * n
-    arrivals = (np.zeros(n) if cfg.qps is None
-                else np.cumsum(rng.exponential(1.0 / cfg.qps, size=n)))
+    arrivals = np.zeros(n) if cfg.qps is None else poisson_arrivals(rng, cfg.qps, n)
     return [RequestSpec(float(a), p, d) for a, (p, d) in zip(arrivals, lengths)]
 
 
