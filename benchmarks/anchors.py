@@ -34,7 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pp_runtime.config import load_config
-from pp_runtime.simulate import simulate
+from pp_runtime.engine.simulate import simulate
 from pp_runtime.telemetry.report import build_report, strict_json
 
 MODELS = {"gpt3": "paper/gpt3_tp8_pp8", "llama": "paper/llama2_70b_tp8_pp8_h100"}

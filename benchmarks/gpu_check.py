@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from pp_runtime import LLM, SamplingParams
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_tables
+from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk, slot_tables
 from pp_runtime.config import config_from_dict
 
 GREEDY = Sampling(0.0, 1.0, 0)
@@ -196,7 +196,7 @@ def per_slot(cfg) -> int:
 
 
 def llama13b_stage(layers: int, slots: int):
-    from pp_runtime.worker import StageWorker
+    from pp_runtime.worker.stage import StageWorker
 
     cfg = config_from_dict({"model": {"preset": "llama-13b", "num_layers": layers,
                                       "dtype": "bfloat16", "max_positions": 4096},

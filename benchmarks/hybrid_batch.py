@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_tables
+from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk, slot_tables
 from pp_runtime.config import Config
-from pp_runtime.worker import StageWorker
+from pp_runtime.worker.stage import StageWorker
 
 
 def main() -> None:

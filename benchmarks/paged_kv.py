@@ -22,10 +22,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from pp_runtime.config import load_config, load_model_config
-from pp_runtime.memory import kv_capacity
-from pp_runtime.simulate import simulate
+from pp_runtime.costmodel.memory import kv_capacity
+from pp_runtime.engine.simulate import simulate
 from pp_runtime.telemetry.report import build_report, strict_json
-from pp_runtime.workload import generate
+from pp_runtime.core.workload import generate
 
 MODELS = ("gpt3-175b", "llama3-70b")
 VARIANTS = {  # label -> overrides; the KV memory is kv_slots = 8 x 27 contexts in every row

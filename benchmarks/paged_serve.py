@@ -27,10 +27,10 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on 127.0.0.1
 
-from pp_runtime.capacity import ServerProcess, capacity_search, server_probe  # noqa: E402
+from pp_runtime.bench.capacity import ServerProcess, capacity_search, server_probe  # noqa: E402
 from pp_runtime.config import load_config  # noqa: E402
-from pp_runtime.loadgen import load_test  # noqa: E402
-from pp_runtime.workload import RequestSpec  # noqa: E402
+from pp_runtime.bench.loadgen import load_test  # noqa: E402
+from pp_runtime.core.workload import RequestSpec  # noqa: E402
 
 WORKLOAD = {"workload.min_len": 64, "workload.max_len": 512, "chunk_size": 128, "tile_size": 128}
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from pp_runtime.config import load_config
-from pp_runtime.simulate import simulate
+from pp_runtime.engine.simulate import simulate
 from pp_runtime.telemetry.report import build_report, strict_json
 
 PLANNERS = ["sarathi", "sarathi-serve", "gllm", "uniform", "orca-best", "orca-worst", "vllm",

@@ -32,8 +32,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray o
 
 from pp_runtime.config import load_config  # noqa: E402
 from pp_runtime.costmodel.measure import measure_profile  # noqa: E402
-from pp_runtime.llm import run_workload  # noqa: E402
-from pp_runtime.simulate import simulate  # noqa: E402
+from pp_runtime.engine.llm import run_workload  # noqa: E402
+from pp_runtime.engine.simulate import simulate  # noqa: E402
 from pp_runtime.telemetry.report import format_summary, write_report  # noqa: E402
 
 
@@ -45,9 +45,9 @@ def isolated_check(cfg, profile: Path) -> None:
 
     import torch
 
-    from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_tables
+    from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk, slot_tables
     from pp_runtime.costmodel import build_cost_model
-    from pp_runtime.worker import StageWorker
+    from pp_runtime.worker.stage import StageWorker
 
     # the quiet profile alone (no executor's calibration: nothing runs beside the stage)
     cost = build_cost_model(cfg.with_overrides(**{"hardware.profile": str(profile),

@@ -32,11 +32,11 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on 127.0.0.1
 
-from pp_runtime.capacity import (ServerProcess, capacity_search, plot_latency,  # noqa: E402
+from pp_runtime.bench.capacity import (ServerProcess, capacity_search, plot_latency,  # noqa: E402
                                  server_probe, sim_probe)
 from pp_runtime.config import load_config  # noqa: E402
-from pp_runtime.loadgen import load_test, workload_prompts  # noqa: E402
-from pp_runtime.workload import generate  # noqa: E402
+from pp_runtime.bench.loadgen import load_test, workload_prompts  # noqa: E402
+from pp_runtime.core.workload import generate  # noqa: E402
 
 # --quick: shorter requests and chunks, fewer requests and probes (GPT-2-small shapes kept)
 QUICK = {"workload.num_requests": 12, "workload.min_len": 64, "workload.max_len": 512,
@@ -77,12 +77,12 @@ def offline_vs_server(cfg, url: str | None, n: int, repeats: int) -> dict:
     """n requests of cfg's workload, all at once: offline LLM.generate (in this process,
     its own Ray) when url is None, else the server at url; the fastest of `repeats` runs
     after a warm-up. Seconds per output token."""
-    from pp_runtime.request import SamplingParams
+    from pp_runtime.core.request import SamplingParams
 
     specs = [replace(s, arrival_s=0.0) for s in generate(replace(cfg.workload, num_requests=n, qps=None))]
     prompts = workload_prompts(specs, cfg.model.vocab_size, cfg.workload.seed)
     if url is None:
-        from pp_runtime.llm import LLM
+        from pp_runtime.engine.llm import LLM
 
         with LLM(cfg) as llm:
             llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -231,7 +231,7 @@ def main() -> None:
     print("\n" + "\n".join(lines))
     curves = {}
     for r in rows:
-        from pp_runtime.capacity import Probe
+        from pp_runtime.bench.capacity import Probe
 
         for where in ("server", "sim"):
             curves[f"{r['planner']} ({where})"] = [Probe(**p) for p in r[where]["probes"]]
@@ -247,7 +247,7 @@ def main() -> None:
 
 
 def _parsed(sets: list[str]) -> dict:
-    from pp_runtime.cli import parse_overrides
+    from pp_runtime.cli.common import parse_overrides
 
     return parse_overrides(sets)
 

@@ -57,7 +57,7 @@ def load(config: str, planner: str, n: int):
 
 def measure(config: str, planner: str, n: int, out: Path) -> dict:
     """One run in this process: simulate, then the report, timed separately."""
-    from pp_runtime.simulate import simulate
+    from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import write_report
     cfg = load(config, planner, n)
     gc_timer = GcTimer()

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from pp_runtime.config import load_config
-from pp_runtime.simulate import simulate
+from pp_runtime.engine.simulate import simulate
 from pp_runtime.telemetry.compare import compare_runs
 from pp_runtime.telemetry.report import format_summary, write_report
 

@@ -37,12 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_blocks
+from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk, slot_blocks
 from pp_runtime.config import Config
 from pp_runtime.model import attention, transformer
 from pp_runtime.model.cpu_kernels import PackedLinear
 from pp_runtime.model.kv_cache import KVCache
-from pp_runtime.worker import StageWorker
+from pp_runtime.worker.stage import StageWorker
 
 LEVERS = {  # name -> config overrides
     "baseline": {"prepack": False, "kv_layout": "tokens", "cpu_decode_kernel": False},

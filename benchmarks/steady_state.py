@@ -53,9 +53,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray o
 
 from tqdm import tqdm  # noqa: E402
 
-from pp_runtime.cli import parse_overrides  # noqa: E402
+from pp_runtime.cli.common import parse_overrides  # noqa: E402
 from pp_runtime.config import load_config  # noqa: E402
-from pp_runtime.llm import run_workload  # noqa: E402
+from pp_runtime.engine.llm import run_workload  # noqa: E402
 from pp_runtime.telemetry.bubbles import CAUSES  # noqa: E402
 from pp_runtime.telemetry.report import write_report  # noqa: E402
 

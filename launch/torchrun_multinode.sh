@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The torchrun command for an N-node run without Slurm: run this same line on every node.
-# It runs torchrun through `python -m pp_runtime.launch.agent`, which binds torchrun's two
+# It runs torchrun through `python -m pp_runtime.cli.agent`, which binds torchrun's two
 # stores (the c10d rendezvous, the workers' bootstrap store) to MASTER_ADDR / LOCAL_ADDR
 # instead of every interface (docs/distributed.md).
 #
@@ -21,7 +21,7 @@
 # RDZV_ID        rendezvous id, the same on every node, different per run (default pp-runtime)
 # IS_HOST        1 on the MASTER_ADDR node, 0 elsewhere, when torch cannot tell by itself
 #                (MASTER_ADDR on a second NIC, e.g. InfiniBand)
-# Further arguments go to `python -m pp_runtime.launch.torchrun` (--set FIELD=VALUE,
+# Further arguments go to `python -m pp_runtime.cli.torchrun` (--set FIELD=VALUE,
 # --requests N, ...), which runs the config's workload; rank 0 writes the report.
 # NCCL_* / GLOO_SOCKET_IFNAME are read from the environment: docs/slurm.md.
 set -euo pipefail
@@ -48,4 +48,4 @@ if [[ -n ${LOCAL_ADDR:-} ]]; then args+=(--local-addr="$LOCAL_ADDR"); fi
 launcher=(--config "$CONFIG")
 if [[ -n ${OUT:-} ]]; then launcher+=(--out "$OUT"); fi
 set -x
-exec python -m pp_runtime.launch.agent "${args[@]}" -m pp_runtime.launch.torchrun "${launcher[@]}" "$@"
+exec python -m pp_runtime.cli.agent "${args[@]}" -m pp_runtime.cli.torchrun "${launcher[@]}" "$@"

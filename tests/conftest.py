@@ -19,7 +19,7 @@ LLAMA_SHAPES = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=8,
 def slot_tables(seqs, cfg) -> tuple:
     """Test shorthand: a SeqChunk whose `blocks` is an int n means whole context n of the
     cache (`pp_runtime.batch.slot_tables` with the config's blocks per context)."""
-    from pp_runtime.batch import slot_tables as tables
+    from pp_runtime.core.batch import slot_tables as tables
 
     return tables(seqs, -(-cfg.seq_len // cfg.cache.block_size))
 

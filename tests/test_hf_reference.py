@@ -5,7 +5,7 @@ import torch
 
 from conftest import slot_tables
 from pp_runtime import LLM, SamplingParams
-from pp_runtime.batch import MicroBatch, SeqChunk
+from pp_runtime.core.batch import MicroBatch, SeqChunk
 from pp_runtime.planner import PLANNERS
 
 PROMPT_LENS = (23, 9, 40, 17)

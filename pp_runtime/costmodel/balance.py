@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from pp_runtime.config import Config
+if TYPE_CHECKING:  # the config consults this module for `auto`: no import back at run time
+    from pp_runtime.config import Config
 
 _CHOSEN: dict[tuple, list[int]] = {}  # auto splits chosen in this process, by what prices them
 _REL = 1e-9  # stage times within this relative distance are equal (float noise)

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pp_runtime.batch import MicroBatch, SampledTokens, StageTiming
+from pp_runtime.core.batch import MicroBatch, SampledTokens, StageTiming
 from pp_runtime.config import Config
 from pp_runtime.costmodel import calibration
 from pp_runtime.costmodel.attention import nonneg_fit
@@ -136,7 +136,7 @@ WHOLE_PROMPTS = "orca-best"  # the second calibration run: whole prompts in one 
 def _run(cfg: Config, executor) -> tuple[TimedExecutor, dict, dict]:
     """One calibration run: (the timed executor, micro-batches, their stage timings)."""
     from pp_runtime.executors import make_executor
-    from pp_runtime.llm import run_workload
+    from pp_runtime.engine.llm import run_workload
 
     timed = TimedExecutor(executor if executor is not None else make_executor(cfg))
     mbs: dict[int, MicroBatch] = {}

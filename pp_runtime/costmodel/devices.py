@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pp_runtime.errors import ConfigError
+from pp_runtime.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

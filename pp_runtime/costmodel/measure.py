@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from pp_runtime.batch import MicroBatch, SeqChunk, slot_blocks
+from pp_runtime.core.batch import MicroBatch, SeqChunk, slot_blocks
 from pp_runtime.config import Config
-from pp_runtime.device import resolve_device, torch_dtype
-from pp_runtime.errors import ConfigError
+from pp_runtime.worker.device import resolve_device, torch_dtype
+from pp_runtime.core.errors import ConfigError
 from pp_runtime.model.attention import BatchLayout, decode_attention, prefill_attention, rope
 from pp_runtime.model.cpu_kernels import (PackedLinear, can_prepack, prepack_linears,
                                           use_decode_kernel, use_prepack)

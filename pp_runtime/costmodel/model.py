@@ -18,11 +18,10 @@ alone is a Python list indexed by T (grown on demand); the rest are closed forms
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from pp_runtime.config import Config
 from pp_runtime.costmodel import calibration
 from pp_runtime.costmodel.calibration import Calibration, ComputeFit
 from pp_runtime.costmodel.devices import device_spec
@@ -30,6 +29,9 @@ from pp_runtime.costmodel.network import all_reduce, gather, send
 from pp_runtime.costmodel.pricing import (Priced, Pricing, Target, attention, layer_ops,
                                           linear_sources, load_profile, price_op)
 from pp_runtime.costmodel.roofline import LayerShape
+
+if TYPE_CHECKING:  # annotations only: the config consults the cost model for `auto`
+    from pp_runtime.config import Config
 
 
 def build_pricing(cfg: Config) -> Pricing:

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from pp_runtime.config import Config
-from pp_runtime.device import dist_backend, now, torch_dtype
+from pp_runtime.worker.device import dist_backend, now, torch_dtype
 from pp_runtime.parallel.groups import DistSpec, free_port, init_distributed
 
 if TYPE_CHECKING:

@@ -17,14 +17,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pp_runtime.config import DTYPES
+from pp_runtime.core.dtypes import DTYPES
 from pp_runtime.costmodel.attention import AttentionFit, fit_attention
 from pp_runtime.costmodel.devices import DEVICES, DeviceSpec, spec_for_profile
 from pp_runtime.costmodel.profiles import (DATA_DIR, Curve, LinearTable, load_linear_tables,
                                            match_linear)
 from pp_runtime.costmodel.roofline import (LayerShape, decode_attention_time, op_time,
                                            prefill_attention_time)
-from pp_runtime.errors import ConfigError
+from pp_runtime.core.errors import ConfigError
 
 # cost-model operation -> vidur table ops it is made of (per layer)
 LAYER_OPS = {

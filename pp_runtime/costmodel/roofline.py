@@ -11,11 +11,14 @@ measured for another shape or device is scaled by the ratio of two roofline time
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pp_runtime.config import ModelConfig
 from pp_runtime.costmodel.devices import DeviceSpec
+
+if TYPE_CHECKING:  # annotations only: the cost model never imports the config at run time
+    from pp_runtime.config import ModelConfig
 
 # vidur's per-layer operations (columns `time_stats.OP.median` of mlp.csv)
 LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")

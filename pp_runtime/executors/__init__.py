@@ -16,9 +16,9 @@ def make_executor(cfg: Config, checkpoint: str | Path | None = None, cancel=None
     if kind == "auto":
         kind = "ray" if cfg.parallel.tp * cfg.parallel.pp > 1 else "local"
     if kind == "torchrun":
-        from pp_runtime.errors import ConfigError
+        from pp_runtime.core.errors import ConfigError
         raise ConfigError("runtime.executor: torchrun runs inside torchrun; start it with "
-                          "`torchrun ... -m pp_runtime.launch.torchrun --config FILE`")
+                          "`torchrun ... -m pp_runtime.cli.torchrun --config FILE`")
     if kind == "ray":
         from pp_runtime.executors.ray_executor import RayExecutor
         return RayExecutor(cfg, checkpoint, cancel)

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from pp_runtime.batch import MicroBatch, SampledTokens
+from pp_runtime.core.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config, ConfigError
-from pp_runtime.device import resolve_device
-from pp_runtime.worker import StageWorker
+from pp_runtime.worker.device import resolve_device
+from pp_runtime.worker.stage import StageWorker
 
 
 class LocalExecutor:

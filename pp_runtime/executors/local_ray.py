@@ -10,7 +10,7 @@ import os
 import secrets
 from pathlib import Path
 
-from pp_runtime.interrupt import deferred
+from pp_runtime.core.interrupt import deferred
 
 LOCAL_METRICS_INTERVAL_MS = 2000  # a local Ray's metrics reach /metrics within ~2 s (Ray: 10 s)
 
@@ -64,7 +64,7 @@ def start_ray(address: str | None, workers: int) -> None:
     import ray
 
     # Ctrl-C / SIGTERM wait for ray.init to return: an interrupt raised in one of its fork
-    # hooks would be lost; and the SIGTERM handler it replaces comes back (interrupt.py)
+    # hooks would be lost; and the SIGTERM handler it replaces comes back (core/interrupt.py)
     with deferred():
         if address is not None:
             ray.init(address=address, log_to_driver=True)

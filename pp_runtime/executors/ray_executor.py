@@ -44,9 +44,9 @@ import uuid
 import weakref
 from pathlib import Path
 
-from pp_runtime.batch import MicroBatch, SampledTokens
+from pp_runtime.core.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config
-from pp_runtime.errors import CheckpointError, ConfigError, StartCancelled, WorkerFailed
+from pp_runtime.core.errors import CheckpointError, ConfigError, StartCancelled, WorkerFailed
 from pp_runtime.executors.local_ray import shutdown_ray, start_ray
 from pp_runtime.executors.ray_graph import CompiledGraphPath, teardown
 from pp_runtime.executors.ray_graph import first_line as _first_line
@@ -65,7 +65,7 @@ class StageActor:
         import ray
         import torch
 
-        from pp_runtime.device import resolve_device
+        from pp_runtime.worker.device import resolve_device
 
         workers_here = cfg.parallel.tp * cfg.parallel.pp
         torch.set_num_threads(cfg.runtime.threads_per_worker
@@ -92,7 +92,7 @@ class StageActor:
         what the warm-up exchanged (`parallel/p2p.warm_up`)."""
         from pp_runtime.parallel.groups import init_distributed
         from pp_runtime.parallel.p2p import warm_up
-        from pp_runtime.worker import StageWorker
+        from pp_runtime.worker.stage import StageWorker
 
         groups = init_distributed(spec, self.stage * spec.tp + self.tp_rank)
         warmed = warm_up(groups, self.device)
@@ -167,7 +167,7 @@ class RayExecutor(CompiledGraphPath):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from pp_runtime.device import dist_backend
+        from pp_runtime.worker.device import dist_backend
 
         ray, cfg, rt = self.ray, self.cfg, self.cfg.runtime
         self.device = ray_device(cfg, ray.cluster_resources())  # the one decision

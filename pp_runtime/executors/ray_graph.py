@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from pp_runtime.errors import CheckpointError, ConfigError, WorkerFailed
+from pp_runtime.core.errors import CheckpointError, ConfigError, WorkerFailed
 
 
 class CompiledGraphPath:

@@ -2,7 +2,7 @@
 
 It has the interface of the real executors (`submit` a micro-batch, `wait` for its sampled
 tokens), so the planner and the driver loop are the ones real deployments run. A stage
-behaves as a real stage worker does (worker.py, parallel/p2p.py): it takes calls in order,
+behaves as a real stage worker does (worker/stage.py, parallel/p2p.py): it takes calls in order,
 receives, computes, then waits until the next stage took its previous send before posting
 this one (one send outstanding; gloo and NCCL sends complete when the receiver receives).
 For one micro-batch submitted at virtual time `now`, stage by stage:
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from pp_runtime.batch import MicroBatch, SampledTokens, StageTiming
+from pp_runtime.core.batch import MicroBatch, SampledTokens, StageTiming
 
 
 class StageCost(Protocol):

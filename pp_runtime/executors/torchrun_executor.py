@@ -7,7 +7,7 @@ world - 1 sends) and then runs rank 0's own stage-0 work; the other ranks (`serv
 `(token ids or None, StageTiming)`. `wait(mb)` collects those in rank order. Sends on the
 control channel never block (isend, async broadcast), so a rank busy with its stage never
 stalls another.
-Messages are JSON typed by the dataclasses (`wire.py`), never pickles: a peer that
+Messages are JSON typed by the dataclasses (`executors/wire.py`), never pickles: a peer that
 reached the unauthenticated rendezvous can send bad data, not code.
 
 A rank that dies takes the job down through torchrun's agent; a rank that hangs makes the
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pp_runtime import wire
-from pp_runtime.batch import MicroBatch, SampledTokens
-from pp_runtime.worker import StageWorker
+from pp_runtime.executors import wire
+from pp_runtime.core.batch import MicroBatch, SampledTokens
+from pp_runtime.worker.stage import StageWorker
 
 MAX_MESSAGE_BYTES = 1 << 24  # a plan is ~10 bytes per token; a bigger size is not ours
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from pp_runtime.batch import MicroBatch
+from pp_runtime.core.batch import MicroBatch
 from pp_runtime.model.cpu_kernels import decode_attention_cpu
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what FlashAttention's CUDA kernels take

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pp_runtime.config import Config
-from pp_runtime.memory import kv_blocks
+from pp_runtime.costmodel.memory import kv_blocks
 
 
 def heads_major(cfg: Config, device: torch.device) -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pp_runtime.batch import MicroBatch
+from pp_runtime.core.batch import MicroBatch
 from pp_runtime.parallel.groups import StageGroups
 from pp_runtime.telemetry.timer import Op, SpanRecord
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from pp_runtime import memory
+from pp_runtime.costmodel import memory
 from pp_runtime.config import Config
 from pp_runtime.plan.search import LOST, REL_TOL, Result, Slo
 from pp_runtime.plan.space import Out
@@ -93,7 +93,7 @@ def plot(results: list[Result], slo: Slo, path: Path, title: str) -> Path | None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pp_runtime.capacity import latency_axis
+    from pp_runtime.bench.capacity import latency_axis
     from pp_runtime.telemetry.plots import _save, line_styles
 
     best: dict[str, Result] = {}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from pp_runtime.capacity import Probe, capacity_search, meets
+from pp_runtime.bench.capacity import Probe, capacity_search, meets
 from pp_runtime.config import Config, ConfigError
 from pp_runtime.plan.space import Candidate, with_share
 
@@ -87,7 +87,7 @@ def likely_tbt_s(cfg: Config, mean_tokens: float) -> float:
 def probe_on_sim(cfg: Config, replicas: int, slo: Slo):
     """probe(qps of all replicas) -> Probe of one replica at its share (the simulator)."""
     from pp_runtime.costmodel import build_cost_model
-    from pp_runtime.simulate import simulate
+    from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import build_report
 
     cost = build_cost_model(cfg)

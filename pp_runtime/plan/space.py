@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from pp_runtime import memory
+from pp_runtime.costmodel import memory
 from pp_runtime.config import Config, ConfigError
 
 MAX_B = 128  # sequences per micro-batch at most (a bigger B only lengthens the decode tail)

@@ -18,7 +18,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from pp_runtime.capacity import Probe, ServerProcess, capacity_search, meets
+from pp_runtime.bench.capacity import Probe, ServerProcess, capacity_search, meets
 from pp_runtime.config import Config, ConfigError, load_config
 from pp_runtime.plan.search import REL_TOL, SPAN_TTFTS, Result, Slo, evaluate, upper_bound
 from pp_runtime.plan.space import Candidate, Layout
@@ -35,8 +35,8 @@ def free_port() -> int:
 
 def real_probe(urls: list[str], cfg: Config, slo: Slo, log):
     """probe(qps of all replicas): each server gets its share, with its own seed."""
-    from pp_runtime.loadgen import load_test, workload_prompts
-    from pp_runtime.workload import generate
+    from pp_runtime.bench.loadgen import load_test, workload_prompts
+    from pp_runtime.core.workload import generate
 
     def probe(qps: float) -> Probe:
         got: list[dict] = [{} for _ in urls]
@@ -135,7 +135,7 @@ def top_layouts(rank: list[Result], n: int) -> list[Result]:
 
 
 def _mean_tokens(cfg: Config) -> float:
-    from pp_runtime.workload import generate
+    from pp_runtime.core.workload import generate
 
     specs = generate(cfg.workload)
     return sum(s.prompt_len + s.output_len for s in specs) / len(specs)

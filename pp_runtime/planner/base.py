@@ -22,11 +22,11 @@ from __future__ import annotations
 import warnings
 from collections import deque
 
-from pp_runtime.batch import MicroBatch, SampledTokens, SeqChunk
+from pp_runtime.core.batch import MicroBatch, SampledTokens, SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.planner.blocks import KVBlocks
 from pp_runtime.planner.cost import CostModel
-from pp_runtime.request import FinishReason, Request
+from pp_runtime.core.request import FinishReason, Request
 
 
 class BasePlanner:

@@ -27,8 +27,8 @@ from array import array
 from collections import deque
 
 from pp_runtime.config import Config
-from pp_runtime.memory import kv_blocks
-from pp_runtime.request import Request
+from pp_runtime.costmodel.memory import kv_blocks
+from pp_runtime.core.request import Request
 
 
 class BlockPool:

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from pp_runtime.batch import SeqChunk
+from pp_runtime.core.batch import SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.planner.base import BasePlanner
 from pp_runtime.planner.blocks import KVBlocks
 from pp_runtime.planner.cost import CostModel
-from pp_runtime.request import Request
+from pp_runtime.core.request import Request
 
 
 class GllmPlanner(BasePlanner):

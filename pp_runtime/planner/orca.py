@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-from pp_runtime.batch import SeqChunk
+from pp_runtime.core.batch import SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.base import BasePlanner

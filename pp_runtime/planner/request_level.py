@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from itertools import islice, takewhile
 
-from pp_runtime.batch import SeqChunk
+from pp_runtime.core.batch import SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.base import BasePlanner
-from pp_runtime.request import FinishReason, Request
+from pp_runtime.core.request import FinishReason, Request
 
 
 class RequestLevelPlanner(BasePlanner):

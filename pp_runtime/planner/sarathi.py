@@ -10,7 +10,7 @@ Each micro-batch, after admitting arrived requests while KV slots are free:
 """
 from __future__ import annotations
 
-from pp_runtime.batch import SeqChunk
+from pp_runtime.core.batch import SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.base import BasePlanner, warn_untiled

@@ -24,7 +24,7 @@ chunk may go while its previous one is in flight; Sarathi-Serve waits (`is_pause
 """
 from __future__ import annotations
 
-from pp_runtime.batch import SeqChunk
+from pp_runtime.core.batch import SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.planner.base import BasePlanner, warn_untiled
 from pp_runtime.planner.cost import CostModel

@@ -28,8 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from pp_runtime.engine import Engine, EngineClosed, Finished, QueueFull, Token
-from pp_runtime.request import FinishReason, InvalidRequestError, SamplingParams
+from pp_runtime.engine.online import Engine, EngineClosed, Finished, QueueFull, Token
+from pp_runtime.core.request import FinishReason, InvalidRequestError, SamplingParams
 from pp_runtime.serve import protocol as P
 from pp_runtime.serve.metrics import ServeMetrics
 from pp_runtime.serve.text import BadText, Codec

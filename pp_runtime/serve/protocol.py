@@ -17,8 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pp_runtime.engine import RequestTiming
-from pp_runtime.request import FinishReason
+from pp_runtime.engine.online import RequestTiming
+from pp_runtime.core.request import FinishReason
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default when a request gives none (0 = greedy)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]

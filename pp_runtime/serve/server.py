@@ -12,7 +12,7 @@ idle, busy or starting): the signal aborts every open request at once (each open
 gets an error event and [DONE]), uvicorn closes the port and waits for the connections to
 drain, the workers are released (a local Ray and every actor stopped; Ray's processes are
 in their own process group, so a group signal does not kill them first), and the command
-exits 143 / 130 (`cli.py`).
+exits 143 / 130 (`cli/main.py`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import uvicorn
 
 from pp_runtime.config import Config, ConfigError
-from pp_runtime.errors import StartCancelled
+from pp_runtime.core.errors import StartCancelled
 from pp_runtime.serve.app import ServeState, build_app
 from pp_runtime.serve.metrics import ServeMetrics, TeeSink
 from pp_runtime.telemetry.metrics import deployment_tag
@@ -105,9 +105,9 @@ def _own_workers(state: ServeState, cfg: Config, checkpoint, max_waiting,
     them until `stop`, release them. One thread does all three and lives as long as the
     server: a local Ray's own processes die with the thread that started them (they are
     started with PR_SET_PDEATHSIG, which follows the parent thread, not the process)."""
-    from pp_runtime.engine import Engine
+    from pp_runtime.engine.online import Engine
     from pp_runtime.executors import make_executor
-    from pp_runtime.llm import torch_thread_init
+    from pp_runtime.engine.llm import torch_thread_init
     from pp_runtime.serve.text import HFCodec, load_codec
 
     t0, executor = time.perf_counter(), None

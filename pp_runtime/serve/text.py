@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from pp_runtime.errors import ConfigError
+from pp_runtime.core.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 

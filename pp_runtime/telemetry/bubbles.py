@@ -28,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
-from pp_runtime.batch import StageTiming
+from pp_runtime.core.batch import StageTiming
 
 CAUSES = ("upstream", "downstream", "dependency")  # the bubble causes, in report order
 # clock rounding tolerated between a stage's consecutive calls (CUDA event times are

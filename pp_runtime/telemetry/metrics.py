@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Mapping, Protocol
 
-from pp_runtime.batch import MicroBatch, SampledTokens
+from pp_runtime.core.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config
-from pp_runtime.request import Request
+from pp_runtime.core.request import Request
 from pp_runtime.telemetry.bubbles import StageAccumulator, add_microbatch
 
 

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from pp_runtime.batch import MicroBatch, SampledTokens
+from pp_runtime.core.batch import MicroBatch, SampledTokens
 from pp_runtime.telemetry.bubbles import BubbleReport, StageAccumulator, add_microbatch
 from pp_runtime.telemetry.windows import AdmissionSnapshots, Cut, totals, windows
 

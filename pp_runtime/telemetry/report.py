@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from pp_runtime.config import Config
-from pp_runtime.errors import ConfigError
-from pp_runtime.request import RequestOutput
+from pp_runtime.core.errors import ConfigError
+from pp_runtime.core.request import RequestOutput
 from pp_runtime.telemetry.bubbles import CAUSES, fractions_by_cause
 from pp_runtime.telemetry.recorder import MB_COLUMNS, TIMELINE_COLUMNS, RunRecorder
 from pp_runtime.telemetry.windows import format_windows, summarize

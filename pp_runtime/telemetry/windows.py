@@ -29,7 +29,7 @@ from array import array
 from collections import defaultdict
 from typing import Iterable, Mapping, Sequence
 
-from pp_runtime.batch import StageTiming
+from pp_runtime.core.batch import StageTiming
 from pp_runtime.telemetry.bubbles import CAUSES, StageAccumulator, add_microbatch
 
 WINDOWS = ("warmup", "steady", "tail")

@@ -77,7 +77,7 @@ def test_simulated_stages_are_busy_alike_with_auto():
     """GPT-2-small on two stages (priced for an A100): with the even split the last stage
     (LM head) is far busier than the first; with auto the two stages' busy times over the
     whole simulated run are close."""
-    from pp_runtime.simulate import simulate
+    from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import build_report
 
     def busy_ratio(split):

@@ -2,7 +2,7 @@
 quiet profile, read back by the cost model and the default split. Hand-computed cases."""
 import pytest
 
-from pp_runtime.batch import StageTiming
+from pp_runtime.core.batch import StageTiming
 from pp_runtime.config import Config
 from pp_runtime.costmodel import balance, calibration
 from pp_runtime.costmodel.calibrate import host_costs
@@ -77,7 +77,7 @@ def test_the_split_is_balanced_by_default_where_a_profile_exists(monkeypatch, tm
 def test_the_compute_fit_recovers_a_known_contention():
     """Stage compute made up as 1.3 x the profile's price + 2 ms a layer + 0.5 ms a sampling
     row on the last stage: the fit finds those three numbers."""
-    from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+    from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk
     from pp_runtime.costmodel.calibrate import WARM_UP, fit_compute
 
     cfg = Config().with_overrides(pp=2, layer_split=[7, 5])

@@ -17,7 +17,7 @@ import pytest
 from pp_runtime.config import Config, ModelConfig, load_model_config
 from pp_runtime.costmodel import build_cost_model
 from pp_runtime.costmodel.profiles import DATA_DIR
-from pp_runtime.errors import ConfigError
+from pp_runtime.core.errors import ConfigError
 
 
 def config(model: str | ModelConfig, **overrides) -> Config:

@@ -4,13 +4,13 @@ The cost models here are hand-made on purpose: they make every stage time known,
 simulator's timeline can be checked against a schedule computed by hand."""
 import pytest
 
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk
 from pp_runtime.config import config_from_dict
 from pp_runtime.executors.sim import SimExecutor, VirtualClock
-from pp_runtime.simulate import route, simulate
+from pp_runtime.engine.simulate import route, simulate
 from pp_runtime.telemetry.bubbles import account
 from pp_runtime.telemetry.recorder import TIMELINE_COLUMNS
-from pp_runtime.workload import RequestSpec, generate
+from pp_runtime.core.workload import RequestSpec, generate
 
 
 class TokenCost:
@@ -199,7 +199,7 @@ def test_ten_thousand_simulated_requests_with_preemptions_each_end_once_whole():
     requests are preempted thousands of times, and every one still ends once, with
     exactly its output length, and the report counts the preemptions."""
     from pp_runtime.config import load_config
-    from pp_runtime.simulate import simulate
+    from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import build_report
 
     cfg = load_config("paper/gpt3_tp8_pp8", planner="uniform", paged=True, kv_slots=4,

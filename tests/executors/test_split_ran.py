@@ -13,7 +13,7 @@ pytest.importorskip("ray")
 
 from pp_runtime.config import load_config  # noqa: E402
 from pp_runtime.costmodel import balance  # noqa: E402
-from pp_runtime.llm import run_workload  # noqa: E402
+from pp_runtime.engine.llm import run_workload  # noqa: E402
 from pp_runtime.telemetry.report import build_report, format_summary  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """The torchrun launcher gives the same tokens and the same report files as the Ray executor,
 with every port it opens on 127.0.0.1.
 
-The job runs under `pp_runtime.launch.agent` (torchrun with its stores bound to one
+The job runs under `pp_runtime.cli.agent` (torchrun with its stores bound to one
 address) in a private network namespace (`unshare -n`) whose only interface is loopback,
 so that even a store listening on every interface would reach nothing outside; `ss`
 polled inside that namespace while the job runs proves nothing listens beyond 127.0.0.1.
@@ -30,9 +30,9 @@ def _unshare_ok() -> bool:
 def torchrun(out, nproc, *args):
     """Run the launcher under the agent in a private network namespace; the listening
     sockets `ss` saw meanwhile are written to `{out}.listen`."""
-    job = (f"{sys.executable} -m pp_runtime.launch.agent --nnodes 1 --nproc-per-node {nproc} "
+    job = (f"{sys.executable} -m pp_runtime.cli.agent --nnodes 1 --nproc-per-node {nproc} "
            f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29611 "
-           f"-m pp_runtime.launch.torchrun --config tiny --quiet --out {out} " + " ".join(args))
+           f"-m pp_runtime.cli.torchrun --config tiny --quiet --out {out} " + " ".join(args))
     cmd = (f"ip link set lo up && {{ {job} & }}; pid=$!; touch {out}.listen; "
            f"while kill -0 $pid 2>/dev/null; do ss -ltnH >> {out}.listen; sleep 0.2; done; "
            f"wait $pid")
@@ -101,7 +101,7 @@ def test_a_torch_store_listens_everywhere_but_a_bound_one_on_its_address():
     interface (`*:PORT`); `bound_store` listens on the address it is given."""
     import torch.distributed as dist
 
-    from pp_runtime.launch.agent import bound_store
+    from pp_runtime.cli.agent import bound_store
 
     def local_addrs(port):
         out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True,
@@ -125,10 +125,10 @@ def test_a_torch_store_listens_everywhere_but_a_bound_one_on_its_address():
      "--local-addr 'node1' must be an IP address"),
 ])
 def test_the_agent_refuses_what_it_cannot_bind(argv, reason):
-    from pp_runtime.launch.agent import check_args
+    from pp_runtime.cli.agent import check_args
 
     with pytest.raises(SystemExit) as exc:
-        check_args([*argv, "-m", "pp_runtime.launch.torchrun"])
+        check_args([*argv, "-m", "pp_runtime.cli.torchrun"])
     assert reason in str(exc.value.code)
 
 
@@ -142,7 +142,7 @@ def test_the_agent_refuses_a_worker_side_bootstrap_store(monkeypatch):
 
 
 def test_the_agent_takes_local_addr_from_the_route_to_the_endpoint():
-    from pp_runtime.launch.agent import check_args
+    from pp_runtime.cli.agent import check_args
 
     argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500", "-m", "x"]
     assert check_args(argv) == ["--local-addr", "127.0.0.1", *argv]

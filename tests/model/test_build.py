@@ -11,13 +11,13 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from pp_runtime.config import Config, ConfigError, ModelConfig, load_model_config
-from pp_runtime.llm import LLM
-from pp_runtime.memory import stage_memory, stage_params
+from pp_runtime.engine.llm import LLM
+from pp_runtime.costmodel.memory import stage_memory, stage_params
 from pp_runtime.model.loader import checkpoint_dtype, model_config_from_hf, read_hf_config
 from pp_runtime.model.transformer import StageModel, materialize
 from pp_runtime.parallel.layers import LocalShard, Unsharded, shard_of
 from pp_runtime.model.cpu_kernels import PackedLinear, weight_bytes
-from pp_runtime.worker import StageWorker
+from pp_runtime.worker.stage import StageWorker
 
 CPU = torch.device("cpu")
 

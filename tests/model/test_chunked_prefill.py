@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from conftest import slot_tables
-from pp_runtime.batch import MicroBatch, SeqChunk
+from pp_runtime.core.batch import MicroBatch, SeqChunk
 from pp_runtime.config import Config, load_model_config
-from pp_runtime.worker import StageWorker
+from pp_runtime.worker.stage import StageWorker
 
 PROMPT_LEN = 70
 
@@ -50,7 +50,7 @@ def test_decode_path_equals_full_prefill(family):
     prompt = list(range(5, 5 + 30))
     full = prefill_in_chunks(worker, prompt, len(prompt), slot=0)
     first = run_logits(worker, [SeqChunk(1, 1, 0, (prompt[0],), None)])
-    from pp_runtime.batch import Sampling
+    from pp_runtime.core.batch import Sampling
     greedy = Sampling(0.0, 1.0, 0)
     steps = [run_logits(worker, [SeqChunk(1, 1, pos, (prompt[pos],), greedy, is_decode=True)])
              for pos in range(1, len(prompt))]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk
 from pp_runtime.model.attention import BatchLayout, attention_paths, decode_attention, decode_attention_views
 from pp_runtime.model.cpu_kernels import PackedLinear, decode_extension, prepack_linears
 from pp_runtime.model.kv_cache import KVCache

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import slot_tables
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.model import attention
 from pp_runtime.model.attention import attention_paths
 from pp_runtime.model.loader import model_config_from_hf, read_hf_config
-from pp_runtime.worker import StageWorker
+from pp_runtime.worker.stage import StageWorker
 
 GREEDY = Sampling(0.0, 1.0, 0)
 LAYERS = 3  # of the conftest checkpoints

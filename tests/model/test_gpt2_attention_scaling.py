@@ -29,7 +29,7 @@ def test_greedy_tokens_and_logits_equal_transformers(tmp_path, flags):
     one = LLM.from_pretrained(tmp_path, chunk_size=64, device="cpu")
     worker, prompt = one.executor.workers[0], prompts[2]
     from conftest import slot_tables
-    from pp_runtime.batch import MicroBatch, SeqChunk
+    from pp_runtime.core.batch import MicroBatch, SeqChunk
     seqs = slot_tables([SeqChunk(0, 0, 0, tuple(prompt), None)], worker.cfg)
     hidden, _ = worker.forward(MicroBatch(0, seqs), None)
     with torch.no_grad():

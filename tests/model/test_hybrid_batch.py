@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from conftest import slot_tables
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk
+from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk
 from pp_runtime.config import Config, load_model_config
-from pp_runtime.worker import StageWorker
+from pp_runtime.worker.stage import StageWorker
 
 GREEDY = Sampling(0.0, 1.0, 0)
 

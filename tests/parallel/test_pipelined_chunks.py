@@ -25,7 +25,7 @@ def gpt(tmp_path_factory):
 
 
 @pytest.mark.parametrize("pp, planner", [(2, "uniform"), (3, "gllm")])  # every planner,
-# pipelined or not, gives the same tokens at PP=2 in one process: tests/test_planners_e2e.py
+# pipelined or not, gives the same tokens at PP=2 in one process: tests/engine/test_planners_e2e.py
 @pytest.mark.slow
 def test_pipelined_chunks_on_ray_equal_transformers(gpt, pp, planner):
     model, path = gpt

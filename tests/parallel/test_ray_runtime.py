@@ -17,12 +17,12 @@ import pytest  # noqa: E402
 ray = pytest.importorskip("ray")
 
 from pp_runtime import LLM, SamplingParams  # noqa: E402
-from pp_runtime.batch import MicroBatch  # noqa: E402
+from pp_runtime.core.batch import MicroBatch  # noqa: E402
 from pp_runtime.config import load_config  # noqa: E402
-from pp_runtime.driver import ExecutorFailed  # noqa: E402
-from pp_runtime.errors import ConfigError, WorkerFailed  # noqa: E402
+from pp_runtime.core.driver import ExecutorFailed  # noqa: E402
+from pp_runtime.core.errors import ConfigError, WorkerFailed  # noqa: E402
 from pp_runtime.executors.ray_executor import ray_device  # noqa: E402
-from pp_runtime.llm import run_workload  # noqa: E402
+from pp_runtime.engine.llm import run_workload  # noqa: E402
 from pp_runtime.telemetry.report import build_report  # noqa: E402
 
 PLAN = dict(chunk_size=16, max_batch_size=4, tile_size=16, threads_per_worker=1)
@@ -126,7 +126,7 @@ def test_real_and_simulated_runs_split_every_stage_by_cause():
     carry every cause on every stage, the parts add up to each stage's wall time, and both
     see the same kinds of stall: stage 1 waits for stage 0 (upstream, the fill at least),
     stage 0 waits for sampled tokens (dependency: decodes need the last stage's token)."""
-    from pp_runtime.simulate import simulate
+    from pp_runtime.engine.simulate import simulate
 
     # pp micro-batches in flight, not the default pp + 1 (which hides stage 0's wait)
     cfg = tiny(**{"workload.kind": "fixed", "workload.num_requests": 6, "prompt_len": 40,

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk, slot_blocks
+from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk, slot_blocks
 from pp_runtime.model.attention import BatchLayout
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.loader import load_stage_weights, model_config_from_hf, read_hf_config

@@ -1,10 +1,10 @@
 """A fake pipeline for planner tests: pure Python, `depth` micro-batches in flight."""
 from collections import deque
 
-from pp_runtime.batch import SampledTokens
+from pp_runtime.core.batch import SampledTokens
 from pp_runtime.config import Config
 from pp_runtime.planner import make_planner
-from pp_runtime.request import Request, SamplingParams
+from pp_runtime.core.request import Request, SamplingParams
 
 
 def planner(name: str, **overrides):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from helpers import add, contents, drive, planner
 from pp_runtime.config import Config, ConfigError
 from pp_runtime.planner.blocks import BlockPool, block_key
-from pp_runtime.request import Request, SamplingParams
+from pp_runtime.core.request import Request, SamplingParams
 
 
 def paged(name="sarathi", **overrides):

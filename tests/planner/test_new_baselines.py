@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import add, contents, drive, planner
-from pp_runtime.batch import SampledTokens
+from pp_runtime.core.batch import SampledTokens
 
 THREE = [(10, 3), (5, 2), (12, 2)]  # (prompt tokens, max tokens)
 

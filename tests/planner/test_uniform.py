@@ -108,7 +108,7 @@ def toy_planner(spread, **extra):
 def decoding(p, prompts):
     """Requests 0.. with these prompts, prefilled and each with its first token: their
     decodes attend to prompt + 1 tokens."""
-    from pp_runtime.batch import SampledTokens
+    from pp_runtime.core.batch import SampledTokens
     for rid, n in enumerate(prompts):
         add(p, rid, n, 100)
     sent = []  # every prompt's chunks in flight at once (chunk pipelining), then the results
@@ -195,5 +195,5 @@ def make_planner_for(cfg):
 
 
 def specs_of(cfg):
-    from pp_runtime.workload import generate
+    from pp_runtime.core.workload import generate
     return generate(cfg.workload)

@@ -201,7 +201,7 @@ def test_bad_serve_flags_are_one_line_and_exit_2(flags, env, message):
 
 
 def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
-    from pp_runtime.serve.command import is_loopback, read_api_key
+    from pp_runtime.cli.serve import is_loopback, read_api_key
 
     key = tmp_path / "key"
     key.write_text("s3cret\n")

@@ -6,7 +6,7 @@ taking the call until the previous stage's activations arrive (upstream), `send_
 time after computing until the next stage took the previous send (downstream)."""
 import pytest
 
-from pp_runtime.batch import StageTiming
+from pp_runtime.core.batch import StageTiming
 from pp_runtime.telemetry.bubbles import CAUSES, account
 
 

@@ -174,7 +174,7 @@ def scraped(tmp_path_factory):
     ray = pytest.importorskip("ray")
     from pp_runtime import LLM
     from pp_runtime.config import load_config
-    from pp_runtime.request import FinishReason, SamplingParams
+    from pp_runtime.core.request import FinishReason, SamplingParams
     from pp_runtime.telemetry.recorder import RunRecorder
     from pp_runtime.telemetry.report import RunResult, build_report
 

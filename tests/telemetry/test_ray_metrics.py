@@ -16,8 +16,8 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every Ray port on 127.0
 
 import pytest  # noqa: E402
 
-from pp_runtime.batch import MicroBatch, Sampling, SampledTokens, SeqChunk, StageTiming  # noqa: E402
-from pp_runtime.request import FinishReason, Request, SamplingParams  # noqa: E402
+from pp_runtime.core.batch import MicroBatch, Sampling, SampledTokens, SeqChunk, StageTiming  # noqa: E402
+from pp_runtime.core.request import FinishReason, Request, SamplingParams  # noqa: E402
 from pp_runtime.telemetry.bubbles import account  # noqa: E402
 from pp_runtime.telemetry.metrics import (SPECS, Kind, Metric, NullSink, RuntimeMetrics,  # noqa: E402
                                           default_sink)

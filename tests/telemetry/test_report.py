@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from pp_runtime.config import config_from_dict
-from pp_runtime.simulate import simulate
+from pp_runtime.engine.simulate import simulate
 from pp_runtime.telemetry.compare import compare_runs
 from pp_runtime.telemetry.report import build_report, read_report, write_report
 
@@ -115,7 +115,7 @@ def test_a_failed_run_counts_only_the_tokens_that_ran(tmp_path):
     """A request that errored before its prompt ran adds nothing to the throughput."""
     from dataclasses import replace
 
-    from pp_runtime.request import FinishReason, RequestOutput
+    from pp_runtime.core.request import FinishReason, RequestOutput
 
     run = simulate(cfg(), TokenCost(2), progress=False)
     base = build_report(run)["summary"]

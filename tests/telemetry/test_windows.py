@@ -21,7 +21,7 @@ the micro-batch that first carries B opens the steady window, the one that first
 """
 import pytest
 
-from pp_runtime.batch import StageTiming
+from pp_runtime.core.batch import StageTiming
 from pp_runtime.telemetry.bubbles import account
 from pp_runtime.telemetry.windows import account_windows, format_windows
 
@@ -108,7 +108,7 @@ def test_the_printed_lines():
 def test_a_simulated_poisson_run_reports_windows_that_add_up(dp):
     # the simulator's records go through the same recorder: the report's windows add up to
     # its per-stage table (every replica's stages), and the warm-up ends at the first finish
-    from pp_runtime.simulate import simulate
+    from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import build_report, format_summary
     from tests.telemetry.test_report import TokenCost, cfg
 

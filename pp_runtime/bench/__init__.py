@@ -1,0 +1,1 @@
+"""Measuring a running server: the load generator and the capacity search."""

@@ -1,0 +1,1 @@
+"""The command line (`pp-runtime`): one module per command, and the torchrun entry points."""

@@ -1,0 +1,244 @@
+"""`pp-runtime plan`: its flags, their checks, and the run that ties the parts together.
+
+    pp-runtime plan --model gpt3-175b --gpus 64 --gpu a100-80gb --ttft-slo 5 --tbt-slo 0.2
+
+Every flag is checked before the search starts (one line, exit 2); a search where nothing
+fits or nothing meets the SLO ends with one line saying what would (exit 2).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from pp_runtime.config import PLANNERS, Config, ConfigError
+
+WORKLOAD_HELP = ("a JSONL trace {arrival_s, prompt_len, output_len} per line (its lengths, at "
+                 "Poisson rates), or KIND:FIELD=VALUE,...: zipf:min_len=1024,max_len=4096,"
+                 "pd_ratio=10 (default: the paper's), fixed:prompt_len=512,output_len=64")
+PAPER = "zipf:min_len=1024,max_len=4096,theta=0.4,pd_ratio=10"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the best deployment for a model, a cluster and an SLO",
+                       description="Search tp x pp x replicas, chunk size, B, in-flight depth, "
+                                   "layer split and planner on the simulator; print the ranked "
+                                   "deployments and why the others lost, plot capacity against "
+                                   "latency, write the winner as a config. docs/plan.md")
+    p.add_argument("--model", required=True, help="a shipped model (gpt3-175b, llama2-70b, "
+                                                  "gpt2-small, ...) or a model YAML")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU workers) in all")
+    p.add_argument("--gpu", default="a100-80gb", help="a100-80gb | h100 | h200 | cpu (default a100-80gb)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="tp stays within a node (default 8)")
+    p.add_argument("--memory-gb", type=float, help="memory of one device (default: the GPU's; "
+                                                   "cpu: a quarter of the RAM shared by --gpus, at most 4)")
+    p.add_argument("--profile", help="a directory from `pp-runtime profile` (what --gpu cpu prices)")
+    p.add_argument("--workload", default=PAPER, help=WORKLOAD_HELP)
+    p.add_argument("--requests", type=int, default=200, help="requests per probe (default 200)")
+    p.add_argument("--ttft-slo", type=float, required=True, help="p99 time to first token, s")
+    p.add_argument("--tbt-slo", type=float, required=True, help="p99 time between tokens, s")
+    p.add_argument("--planners", default="uniform", help=f"comma-separated ({', '.join(PLANNERS)}; default uniform)")
+    p.add_argument("--chunk-sizes", default="128,256,512,1024,2048", help="chunk sizes C to try")
+    p.add_argument("--budget-minutes", type=float, default=10.0, help="stop starting searches after this")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel processes (default: the cores)")
+    p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    p.add_argument("--validate", type=int, nargs="?", const=2, default=0, metavar="N",
+                   help="run the best of each of the top N layouts (default 2) and a reference "
+                        "config for real on this machine's CPU pipeline: predicted / measured "
+                        "capacity (small models, pp <= 2)")
+    p.add_argument("--validate-requests", type=int, default=32,
+                   help="requests per real probe in --validate (default 32)")
+    p.add_argument("--reference", default="cpu/gpt2_pp2", help="--validate also measures this config")
+    p.add_argument("--out", default="runs/plan", help="output directory (default runs/plan)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_plan)
+
+
+def parse_workload(text: str, requests: int):
+    """The --workload flag as a WorkloadConfig (ConfigError naming the problem)."""
+    from pp_runtime.core.workload import WorkloadConfig
+
+    if text.endswith(".jsonl") or Path(text).is_file():
+        return WorkloadConfig(kind="trace", trace=text).validate()
+    kind, _, rest = text.partition(":")
+    fields = {}
+    for pair in filter(None, rest.split(",")):
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise ConfigError(f"--workload {text!r}: {pair!r} is not FIELD=VALUE")
+        fields[key.strip()] = float(value) if any(c in value for c in ".e") else int(value)
+    known = set(WorkloadConfig.__dataclass_fields__) - {"kind", "qps", "trace"}
+    if set(fields) - known:
+        raise ConfigError(f"--workload: unknown field(s) {', '.join(sorted(set(fields) - known))}; "
+                          f"known: {', '.join(sorted(known))}")
+    try:
+        return WorkloadConfig(kind=kind, num_requests=requests, **fields).validate()
+    except TypeError as exc:
+        raise ConfigError(f"--workload {text!r}: {exc}") from None
+
+
+def base_config(args) -> Config:
+    """The model, the device and the workload every candidate shares."""
+    from pp_runtime.config import load_model_config
+    from pp_runtime.costmodel.devices import device_spec
+    for name, value, low in (("--gpus", args.gpus, 1), ("--requests", args.requests, 2),
+                             ("--gpus-per-node", args.gpus_per_node, 1), ("--jobs", args.jobs, 1)):
+        if value < low:
+            raise ConfigError(f"{name}: must be >= {low}, got {value}")
+    for name, value in (("--ttft-slo", args.ttft_slo), ("--tbt-slo", args.tbt_slo),
+                        ("--budget-minutes", args.budget_minutes)):
+        if not value > 0:
+            raise ConfigError(f"{name}: must be > 0 seconds (minutes), got {value}")
+    spec = device_spec(args.gpu, "--gpu") if args.gpu != "cpu" else None
+    memory_gb = args.memory_gb or (spec.mem_gb if spec else _cpu_share_gb(args.gpus))
+    model = load_model_config(args.model)
+    if args.gpu == "cpu":
+        model = replace(model, dtype="float32")
+        if not args.profile:
+            raise ConfigError("--gpu cpu: give --profile DIR (`pp-runtime profile` measures this "
+                              "machine); the spec-sheet CPU is only a fallback")
+    wl = parse_workload(args.workload, args.requests)
+    cfg = Config(model=model).with_overrides(**{
+        "hardware.gpu": args.gpu, "hardware.gpus_per_node": args.gpus_per_node,
+        "hardware.profile": args.profile, "cache.paged": True, "cache.num_blocks": "auto",
+        "cache.device_memory_gb": memory_gb, "cache.max_seq_len": longest(wl),
+        "runtime.threads_per_worker": 1 if args.gpu == "cpu" else None})
+    return replace(cfg, workload=wl).validate()
+
+
+def _cpu_share_gb(gpus: int) -> float:
+    """A CPU worker's default memory: a quarter of the RAM shared out, at most 4 GB."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return min(4.0, round(ram / 4 / gpus, 1))
+
+
+def longest(wl) -> int:
+    """The longest request the workload can make, however many are drawn."""
+    if wl.kind == "zipf":
+        return wl.max_len
+    if wl.kind == "fixed":
+        return wl.prompt_len + wl.output_len
+    return max(_lengths(wl))
+
+
+def _lengths(wl) -> list[int]:
+    from pp_runtime.core.workload import generate
+
+    return [s.prompt_len + s.output_len for s in generate(wl)]
+
+
+def cmd_plan(args) -> int:
+    from pp_runtime.plan.search import Slo, search
+    from pp_runtime.plan.space import candidates
+
+    try:
+        base = base_config(args)
+        planners = [p.strip() for p in args.planners.split(",") if p.strip()]
+        bad = [p for p in planners if p not in PLANNERS]
+        if bad or not planners:
+            raise ConfigError(f"--planners: unknown {', '.join(bad) or '(none)'}; use {', '.join(PLANNERS)}")
+        chunks = _ints(args.chunk_sizes, "--chunk-sizes")
+        lengths = _lengths(base.workload)
+        slo = Slo(args.ttft_slo, args.tbt_slo)
+        items, outs = candidates(base, args.gpus, planners, chunks, lengths, slo.tbt_s)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    m = base.model
+    print(f"plan: {m.name} on {args.gpus} x {args.gpu} ({base.cache.device_memory_gb:g} GB each, "
+          f"{args.gpus_per_node} per node); workload {args.workload} ({len(lengths)} requests per "
+          f"probe, mean {sum(lengths) / len(lengths):.0f} tokens); SLO p99 TTFT <= {args.ttft_slo:g} s, "
+          f"p99 TBT <= {args.tbt_slo * 1e3:g} ms", flush=True)
+    tile = base.planner.tile_size
+    if any(c % tile for c in chunks):
+        print(f"  note: chunk sizes {', '.join(str(c) for c in chunks if c % tile)} are not multiples "
+              f"of the {tile}-token matmul tile (planner.tile_size): part of a tile is wasted", flush=True)
+    layouts = len({c.layout for c, _ in items})
+    print(f"  {layouts} layouts fit ({len(outs)} left out before simulation), {len(items)} "
+          f"deployments to search in {args.jobs} processes, budget {args.budget_minutes:g} min", flush=True)
+    if not items:
+        print("error: " + nothing_fits(outs, args), file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    results = search(items, sum(lengths) / len(lengths), slo, args.jobs, args.budget_minutes * 60,
+                     progress=not args.quiet)
+    elapsed = time.perf_counter() - t0
+    return finish(args, base, dict(items), results, outs, slo, lengths, elapsed)
+
+
+def finish(args, base, configs, results, outs, slo, lengths, elapsed) -> int:
+    from pp_runtime.plan import report
+    from pp_runtime.plan.search import LOST
+
+    out = Path(args.out)
+    rank = report.ranked(results)
+    n = {k: sum(r.outcome == k for r in results) for k in ("searched", LOST, "bound", "budget")}
+    print(f"\nsearched {n['searched']} to the end, {n[LOST]} lost at the best's rate, "
+          f"{n['bound']} out by bound, {n['budget']} left by the budget; {elapsed:.0f} s\n")
+    if not rank:
+        print("error: no deployment met the SLOs at any rate probed; " + what_would(results, slo),
+              file=sys.stderr)
+        _write_json(out, args, results, outs, None)
+        return 2
+    print(report.ranked_table(results, configs, lengths, args.top))
+    print("\nwhy each layout won or lost:")
+    print(report.layout_table(results, outs, slo))
+    win = rank[0]
+    path = report.winner_config(win, configs[win.candidate], slo, out / "best.yaml")
+    fig = report.plot(results, slo, out / "capacity_vs_latency.png",
+                      f"{base.model.name} on {args.gpus} x {args.gpu}: best of each tp x pp")
+    _write_json(out, args, results, outs, win)
+    print(f"\nbest: {win.candidate.name}: {win.qps:.4f} req/s ({win.per_gpu:.5f} per GPU)")
+    print(f"  wrote {path} (pp-runtime run/serve --config {path}), {fig}, {out / 'plan.json'}")
+    if args.validate:
+        from pp_runtime.plan.validate import validate
+        return validate(args, rank, configs, slo, out)
+    return 0
+
+
+def nothing_fits(outs, args) -> str:
+    mem = [o for o in outs if o.reason == "memory"]
+    if mem and len(mem) == len(outs):
+        return (f"no layout of {args.gpus} x {args.gpu} holds the model and the longest request "
+                f"(e.g. {mem[-1].name}: {mem[-1].detail}); more GPUs, or more memory per GPU")
+    floor = [o for o in outs if o.reason == "SLO"]
+    if floor and len(floor) + len(mem) == len(outs):
+        return (f"no layout meets the TBT SLO ({floor[0].name}: {floor[0].detail}); a TBT SLO "
+                "above that, or faster GPUs")
+    return "no deployment can run: " + "; ".join(f"{o.name}: {o.reason}: {o.detail}" for o in outs[:3])
+
+
+def what_would(results, slo) -> str:
+    got = [r.detail for r in results if r.detail]
+    if not got:
+        return "nothing was probed"
+    tbt = min(d.get("tbt_p99_s") or float("inf") for d in got)
+    ttft = min(d.get("ttft_p99_s") or float("inf") for d in got)
+    return (f"the lowest p99 TBT seen was {tbt * 1e3:.3g} ms (SLO {slo.tbt_s * 1e3:.3g} ms) and "
+            f"the lowest p99 TTFT {ttft * 1e3:.3g} ms (SLO {slo.ttft_s * 1e3:.3g} ms): SLOs above "
+            "those would be met")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag}: expected numbers >= 1, got {text!r}")
+    return values
+
+
+def _write_json(out: Path, args, results, outs, win) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"deployment": r.candidate.name, "outcome": r.outcome, "capacity_qps": r.qps,
+             "per_gpu": r.per_gpu, "bound_qps": r.bound_qps, "seconds": r.seconds,
+             "detail": r.detail, "probes": [{"qps": p.qps, "ok": p.ok} for p in r.probes]}
+            for r in results]
+    (out / "plan.json").write_text(json.dumps({
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "best": win.candidate.name if win else None, "results": rows,
+        "left_out": [vars(o) for o in outs]}, indent=1, default=str))

@@ -1,0 +1,1 @@
+"""The torch-free data path: requests, micro-batches, the driver loop, workloads, errors."""

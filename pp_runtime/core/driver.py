@@ -1,0 +1,131 @@
+"""The driver loop: keep up to `depth` micro-batches in flight, feed results back.
+
+One loop for every executor. With pp stages, depth = `cfg.in_flight` (pp + 1 by default:
+the extra one hides the return of a result to the planner): the planner plans the next
+micro-batch while earlier ones are still in the pipeline, and results come back in order.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Callable, Protocol
+
+from pp_runtime.core.batch import MicroBatch, SampledTokens
+from pp_runtime.core.request import FinishReason, Request
+
+
+class Executor(Protocol):
+    def submit(self, mb: MicroBatch) -> object: ...
+    def wait(self, handle: object) -> SampledTokens: ...
+
+
+class Planner(Protocol):
+    def has_work(self) -> bool: ...
+    def schedule(self, now: float) -> MicroBatch | None: ...
+    def next_arrival_s(self) -> float | None: ...
+    def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]: ...
+    def abort_all(self, reason: FinishReason, now: float) -> list[Request]: ...
+
+
+class Intake(Protocol):
+    """Requests that come in while the loop runs (the online engine, engine/online.py)."""
+
+    def pull(self, planner: Planner, now: float) -> None:
+        """Hand the planner every request that has arrived by `now`; apply aborts."""
+
+    def wait(self) -> bool:
+        """Block until `pull` has something to hand over; False once closed (the loop ends)."""
+
+
+OnMicroBatch = Callable[[MicroBatch, SampledTokens], None]
+
+
+class ExecutorFailed(RuntimeError):
+    """The executor failed; every unfinished request was ended with finish reason error."""
+
+
+def run(planner: Planner, executor: Executor, depth: int,
+        clock: Callable[[], float] = time.perf_counter,
+        on_microbatch: OnMicroBatch | None = None,
+        sleep: Callable[[float], None] = time.sleep, intake: Intake | None = None) -> None:
+    """Run until the planner has no work left (with an `intake`: until it is closed).
+
+    With nothing in flight and nothing arrived, sleep until the next arrival; that stretch,
+    from the last result to the arrival, is the system's idle time, handed to the stages'
+    bubble accounting as `idle_before_s` of the next micro-batch (a duration: every stage
+    can use it on its own clock). On an executor error, end every unfinished request with
+    finish reason `error` and raise ExecutorFailed. Any other error (a planner or callback
+    bug) drains the micro-batches in flight, ends the unfinished requests the same way and
+    propagates unchanged: the executor stays usable. A KeyboardInterrupt (Ctrl-C, or SIGTERM
+    under `interrupt.handled()`) ends them the same way at once, without waiting for the
+    micro-batches in flight, and propagates: the caller shuts the executor down.
+
+    With an `intake` the loop pulls new requests and aborts before every decision, and
+    when the planner has no work it blocks in `intake.wait()` instead of returning; the
+    stretch from the last result to the first request that ends the wait is idle time,
+    handed on as above.
+    """
+    in_flight: deque[tuple[MicroBatch, object]] = deque()
+    quiet_since = clock()  # when the last result came back (the run's start before any)
+    idle_until: float | None = None  # the arrival the driver last slept for
+    now = quiet_since
+    try:
+        while True:
+            if intake is not None:
+                empty = not in_flight and not planner.has_work()
+                intake.pull(planner, clock())
+                if empty and planner.has_work():  # the first arrival after an idle stretch
+                    idle_until = planner.next_arrival_s()
+            if not planner.has_work():
+                if intake is not None and intake.wait():
+                    continue
+                break
+            while len(in_flight) < depth:
+                now = clock()  # one reading per decision: what schedule() saw is what counts
+                mb = planner.schedule(now)
+                if mb is None:
+                    break
+                if idle_until is not None:
+                    mb = replace(mb, idle_before_s=max(0.0, idle_until - quiet_since))
+                    idle_until = None
+                in_flight.append((mb, _executor_call(executor.submit, mb)))
+            if not in_flight:
+                arrival = planner.next_arrival_s()
+                if arrival is None or arrival <= now:
+                    raise RuntimeError(f"planner has work but scheduled nothing at {now} "
+                                       f"(next arrival {arrival})")
+                idle_until = arrival
+                sleep(max(0.0, arrival - clock()))  # idle until the next request arrives
+                continue
+            mb, handle = in_flight.popleft()
+            out = _executor_call(executor.wait, handle)
+            quiet_since = clock()
+            planner.on_result(mb, out, quiet_since)
+            if on_microbatch:
+                on_microbatch(mb, out)
+    except (ExecutorFailed, KeyboardInterrupt):
+        planner.abort_all(FinishReason.ERROR, clock())
+        raise
+    except Exception:
+        _drain(executor, in_flight)
+        planner.abort_all(FinishReason.ERROR, clock())
+        raise
+
+
+def _executor_call(fn: Callable, arg: object):
+    """An executor call; whatever it raises becomes ExecutorFailed."""
+    try:
+        return fn(arg)
+    except Exception as exc:
+        raise ExecutorFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _drain(executor: Executor, in_flight: deque) -> None:
+    """Collect (and drop) the results still in flight, so the executor can run again."""
+    while in_flight:
+        _, handle = in_flight.popleft()
+        try:
+            executor.wait(handle)
+        except Exception:  # the error being raised matters more than this one
+            return

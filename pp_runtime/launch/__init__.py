@@ -1,1 +1,0 @@
-"""Process entry points for launchers (torchrun)."""

@@ -1,0 +1,1 @@
+"""One stage shard on its device: the stage worker, sampling, device and backend choice."""

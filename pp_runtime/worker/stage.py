@@ -1,0 +1,106 @@
+"""A stage worker: one (pipeline stage, TP rank) shard of the model and its KV cache.
+
+`execute(mb, x)` runs the stage's layers over every token of a micro-batch. Stage 0 takes
+the token ids from the plan itself; other stages take the previous stage's hidden states:
+in memory from the in-process executor (`x`), or over torch.distributed when the worker
+has process groups (each TP rank receives its 1/tp slice from the same TP rank of the
+previous stage and all-gathers it, `parallel/p2p.py`). The last stage computes logits only
+for the rows that sample, gathers them over the vocabulary and samples (TP rank 0 returns
+the token ids). Each call records a `StageTiming`: wait, transfer, compute, and the
+time blocked before its send (the next stage had not taken the previous one), as spans
+of the worker's timer (`telemetry/timer.py`: perf_counter on CPU, CUDA events on a GPU).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pp_runtime.core.batch import MicroBatch, SampledTokens, StageTiming
+from pp_runtime.config import Config
+from pp_runtime.worker.device import torch_dtype
+from pp_runtime.costmodel.memory import check_stage_fits
+from pp_runtime.model.attention import BatchLayout
+from pp_runtime.model.cpu_kernels import prepack_linears, use_decode_kernel, use_prepack
+from pp_runtime.model.kv_cache import KVCache
+from pp_runtime.model.loader import load_stage_weights
+from pp_runtime.model.transformer import StageModel, materialize
+from pp_runtime.parallel.groups import StageGroups
+from pp_runtime.parallel.layers import TensorParallel, Unsharded
+from pp_runtime.parallel.p2p import StageLink
+from pp_runtime.worker.sampling import sample
+from pp_runtime.telemetry.timer import Op, Timer, device_timer
+
+
+class StageWorker:
+    def __init__(self, cfg: Config, stage: int, device: torch.device,
+                 checkpoint: str | Path | None = None, groups: StageGroups | None = None):
+        m = cfg.model
+        self.cfg, self.stage, self.device = cfg, stage, device
+        self.tp_rank = groups.tp_rank if groups else 0
+        self.lo, self.hi = cfg.stage_layers(stage)  # parallel.layer_split, resolved
+        dtype = torch_dtype(m.dtype_for(device.type))  # "auto": the checkpoint's on a GPU
+        check_stage_fits(cfg, stage, self.tp_rank, dtype.itemsize, device)  # before allocating
+        # tp = 1 needs no collectives: plain torch layers (which `prepack_linears` packs)
+        par = (Unsharded() if groups is None or groups.tp == 1
+               else TensorParallel(groups.tp_group, groups.tp, groups.tp_rank, dtype))
+        with torch.device("meta"):  # shapes only; each tensor is allocated once, below
+            model = StageModel(m, self.lo, self.hi, par)
+        materialize(model, device, dtype)  # this rank's shard, in its final dtype
+        if checkpoint is None:
+            model.init_random(cfg.runtime.seed)  # draws only this rank's shard
+        else:
+            load_stage_weights(model, checkpoint)  # reads only this rank's slices
+        if use_prepack(cfg, device):  # after loading: packing drops the dense weights
+            prepack_linears(model)
+        self.cpu_decode = use_decode_kernel(cfg, device)  # built now, not in the first micro-batch
+        self.model = model.eval().requires_grad_(False)
+        self.cache = KVCache.for_stage(cfg, self.hi - self.lo, dtype, device)
+        self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None
+        self.timer: Timer = device_timer(device)  # times every call (CUDA: anchored once here)
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.is_last
+
+    def input_ids(self, mb: MicroBatch) -> torch.Tensor:
+        ids = [t for s in mb.seqs for t in s.token_ids]
+        return torch.tensor(ids, dtype=torch.long, device=self.device)  # [num_tokens]
+
+    @torch.inference_mode()
+    def forward(self, mb: MicroBatch, x: torch.Tensor | None) -> tuple[torch.Tensor, BatchLayout]:
+        """Hidden states [num_tokens, hidden] after this stage's layers."""
+        layout = BatchLayout.build(mb, self.device, self.cfg.cache.block_size, self.cpu_decode)
+        if self.model.is_first:
+            x = self.input_ids(mb)
+        return self.model(x, self.cache, layout), layout
+
+    @torch.inference_mode()
+    def execute(self, mb: MicroBatch, x: torch.Tensor | None = None):
+        """Returns (hidden states, timing) on inner stages and (SampledTokens, timing) on
+        the last stage; with process groups the hidden states have already been sent on.
+
+        Timing: spans RECV_WAIT, TRANSFER (`link.recv`), COMPUTE, SEND_WAIT (`link.send`).
+        On CUDA nothing waits while they are recorded; `resolve()` at the end waits for
+        this stream's last span only (never for the send just posted, which runs on NCCL's
+        stream), so the call's own timing comes back with it and none is held over."""
+        rec = self.timer.record()
+        if self.link is not None and not self.model.is_first:
+            x = self.link.recv(mb, rec)
+        with rec.span(Op.COMPUTE):
+            hidden, layout = self.forward(mb, x)
+            out = hidden
+            if self.is_last:
+                seqs = [s for s in mb.seqs if s.sampling is not None]
+                logits = self.model.logits(hidden[layout.sample_rows])  # [num_sampling, vocab]
+                tokens = {}
+                if self.tp_rank == 0:  # every rank holds the same logits; one samples
+                    ids = sample(logits, [s.sampling for s in seqs], [s.kv_len for s in seqs])
+                    tokens = {s.request_id: t for s, t in zip(seqs, ids)}
+                out = SampledTokens(mb.mb_id, tokens)
+        if self.link is not None and not self.is_last:
+            self.link.send(mb, hidden, rec)
+        spans = rec.resolve()
+        start, end = spans[Op.COMPUTE]
+        return out, StageTiming(mb.mb_id, self.stage, self.tp_rank, spans.seconds(Op.RECV_WAIT),
+                                spans.seconds(Op.TRANSFER), start, end, spans.seconds(Op.SEND_WAIT))
