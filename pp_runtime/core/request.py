@@ -29,12 +29,22 @@ class InvalidRequestError(ValueError):
     """One or more requests of a call are invalid; no work was done for any of them."""
 
 
+SEED_STRIDE = 1_000_003  # unseeded requests of a run with runtime seed s draw s * SEED_STRIDE + n
+
+
+def default_seed(runtime_seed: int, n: int = 0) -> int:
+    """The sampling seed of a request whose `SamplingParams.seed` is None: the n-th prompt
+    of an `LLM.generate` call, the n-th request of a server, `Engine.add_request` (n = 0)
+    when its caller gives none. The one rule for all of them."""
+    return runtime_seed * SEED_STRIDE + n
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16  # tokens to generate (at most)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this mass
-    seed: int | None = None  # None = the runtime seed; same seed, same tokens
+    seed: int | None = None  # None = `default_seed(runtime.seed, n)`; same seed, same tokens
     ignore_eos: bool = False  # keep generating past the EOS token
 
     def problems(self) -> list[str]:

@@ -14,7 +14,7 @@ from pp_runtime.model.loader import model_config_from_hf, read_hf_config
 from pp_runtime.engine.online import Engine
 from pp_runtime.telemetry.report import RunResult
 from pp_runtime.core.request import (FinishReason, InvalidRequestError, RequestOutput, SamplingParams,
-                                check_requests)
+                                check_requests, default_seed)
 
 
 class LLM:
@@ -73,7 +73,7 @@ class LLM:
         handles = []
         try:
             for i, (prompt, sp, at) in enumerate(zip(prompts, plist, arrivals)):
-                seed = sp.seed if sp.seed is not None else self.config.runtime.seed * 1_000_003 + i
+                seed = sp.seed if sp.seed is not None else default_seed(self.config.runtime.seed, i)
                 handles.append(engine.add_request(prompt, sp, seed=seed, arrival_s=base + at,
                                                   watcher=watcher))
             done = [h.result() for h in handles]

@@ -29,7 +29,7 @@ from pp_runtime.core.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config
 from pp_runtime.planner import make_planner
 from pp_runtime.core.request import (FinishReason, InvalidRequestError, Request, RequestOutput,
-                                SamplingParams, check_prompt)
+                                SamplingParams, check_prompt, default_seed)
 from pp_runtime.engine.streams import (Event, Finished, Listener, RequestHandle, RequestTiming, Token,
                                 Watcher)
 from pp_runtime.telemetry.metrics import NullSink, RuntimeMetrics, Sink
@@ -149,7 +149,7 @@ class Engine:
         if params.seed is not None:
             seed = params.seed
         elif seed is None:
-            seed = self.cfg.runtime.seed * 1_000_003
+            seed = default_seed(self.cfg.runtime.seed)
         with self._cond:
             if self.failure is not None:
                 raise EngineClosed(f"the engine failed: {self.failure}")

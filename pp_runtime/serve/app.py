@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from pp_runtime.engine.online import Engine, EngineClosed, Finished, QueueFull, Token
-from pp_runtime.core.request import FinishReason, InvalidRequestError, SamplingParams
+from pp_runtime.core.request import FinishReason, InvalidRequestError, SamplingParams, default_seed
 from pp_runtime.serve import protocol as P
 from pp_runtime.serve.metrics import ServeMetrics
 from pp_runtime.serve.text import BadText, Codec
@@ -45,7 +45,7 @@ class ServeState:
     model: str  # the one model name served
     max_len: int  # KV positions per request (prompt + max_tokens)
     vocab_size: int
-    seed: int  # the runtime seed: unseeded requests draw from seed * 1_000_003 + n
+    seed: int  # the runtime seed: unseeded request n draws `default_seed(seed, n)`
     metrics: ServeMetrics
     api_key: str | None = None
     max_body_bytes: int = int(MAX_BODY_MB * 2**20)
@@ -145,7 +145,7 @@ async def _generate(state: ServeState, request: Request, authorize, chat: bool):
             state.metrics.finished(str(o.finish_reason), len(o.prompt_token_ids), len(o.token_ids))
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
-    seed = state.seed * 1_000_003 + next(state._serial)
+    seed = default_seed(state.seed, next(state._serial))
     try:
         engine.add_request(prompt, params, rid, listener=listener, seed=seed)
     except QueueFull as exc:
