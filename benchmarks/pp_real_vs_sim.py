@@ -2,7 +2,7 @@
 
 On this machine: PP=2 (two Ray actors, one process and one torch thread per stage, gloo on
 127.0.0.1), GPT-2-small shapes with random weights, a Zipf workload
-(`pp_runtime/configs/cpu/gpt2_pp2.yaml`). In one run it
+(`configs/cpu/gpt2_pp2.yaml`). In one run it
   1. measures a profile of this machine (`pp-runtime profile`, the model's own ops),
   2. calibrates it on a short real run (`--calibrate N` requests: compute under contention
      and host costs per micro-batch, docs/costmodel.md "Calibration"),

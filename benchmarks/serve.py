@@ -2,7 +2,7 @@
 server's overhead per token against offline `LLM.generate`.
 
 On this machine: PP=2 (two Ray stage actors, one torch thread each, gloo on 127.0.0.1),
-GPT-2-small shapes with random weights (`pp_runtime/configs/cpu/gpt2_pp2.yaml`). In one run,
+GPT-2-small shapes with random weights (`configs/cpu/gpt2_pp2.yaml`). In one run,
 for each planner (default sarathi, orca-best, uniform):
   1. capacity on the simulator: the highest Poisson QPS whose p99 time between tokens
      (TBT) and median TTFT meet the SLOs (`capacity.capacity_search`, Sarathi-Serve's

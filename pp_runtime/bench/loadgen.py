@@ -14,8 +14,8 @@ response's server-sent events as they arrive:
 
 `summarize` reports TTFT and TBT p50/p90/p99 (TBT pooled over every token of every
 request, as the simulator's report does), throughput (output tokens/s and requests/s over
-the run's wall time) and SLO attainment. The HTTP client is aiohttp (a dependency of
-ray[default]). No torch.
+the run's wall time) and SLO attainment. The HTTP client is aiohttp (declared in pyproject.toml;
+also a dependency of ray[default]). No torch.
 """
 from __future__ import annotations
 

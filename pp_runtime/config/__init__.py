@@ -20,7 +20,7 @@ import yaml
 FAMILIES = ("gpt", "llama")
 PLANNERS = ("sarathi", "orca-best", "orca-worst", "request-level", "vllm", "uniform",
             "sarathi-serve", "gllm")
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # shipped configs, inside the package
+from pp_runtime.config.shipped import CONFIG_DIR  # noqa: E402  the shipped configs: configs/ at the root
 
 
 from pp_runtime.core.dtypes import AUTO_DTYPE, DTYPES  # noqa: F401  (re-exported)

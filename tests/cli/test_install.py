@@ -3,14 +3,18 @@
 
 The wheel is built from a copy of the source (`pip wheel --no-deps --no-build-isolation`,
 so nothing is written into the checkout and no index is asked), then installed with
-`--no-deps` into a fresh virtualenv made with `--system-site-packages`: torch, Ray and the
-rest come from this environment, so the test takes seconds instead of the minutes (and
-gigabytes) of installing them again. The venv's own copy of pp_runtime shadows the
-checkout's editable install, and the test checks that it is the one that runs.
+`--no-deps` into a fresh virtualenv. Torch, Ray and the rest come from the environment
+running the tests, so the test takes seconds instead of the minutes (and gigabytes) of
+installing them again: a `.pth` file in the new venv adds this environment's site-packages
+after its own. (`--system-site-packages` would not do: it reaches the *base* interpreter's
+site-packages, which lack torch when the tests run in a venv.) The venv's own copy of
+pp_runtime comes first on its path, shadowing the checkout's editable install, and the test
+checks that it is the one that runs.
 """
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -19,7 +23,29 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ["pyproject.toml", "README.md", "MANIFEST.in", "pp_runtime"]
+SOURCES = ["pyproject.toml", "setup.py", "README.md", "MANIFEST.in", "pp_runtime", "configs"]
+
+
+def _this_environments_site_packages() -> list[str]:
+    """Where this interpreter finds torch and the rest: its site-packages (a venv's own, and
+    its base's when it was made with --system-site-packages) and the user site."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE and site.getusersitepackages():
+        dirs.append(site.getusersitepackages())
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def _make_venv(path: Path) -> Path:
+    """A venv without pip whose path ends with this environment's site-packages; returns
+    its python. `site.addsitedir` also runs their .pth files, as the interpreter does for
+    its own site-packages."""
+    venv.create(path, system_site_packages=False, with_pip=False)
+    py = path / "bin" / "python"
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    lines = [f"import site; site.addsitedir({d!r})" for d in _this_environments_site_packages()]
+    (Path(purelib) / "_pp_runtime_test_parent_env.pth").write_text("\n".join(lines) + "\n")
+    return py
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +66,7 @@ def installed(tmp_path_factory):
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (wheel,) = (tmp / "dist").glob("pp_runtime-*.whl")
-    venv.create(tmp / "venv", system_site_packages=True, with_pip=False)
-    py = tmp / "venv" / "bin" / "python"
+    py = _make_venv(tmp / "venv")
     # the venv has no pip of its own: this environment's pip installs into it (--python)
     r = subprocess.run([*pip, "--python", str(py), "install", "--no-deps", "--no-index", "-q",
                         str(wheel)], capture_output=True, text=True, timeout=300)
@@ -89,3 +114,15 @@ def test_pp_runtime_run_tiny_from_another_directory(installed):
     report = json.loads((work / "out" / "report.json").read_text())
     assert report["summary"]["finish_reasons"] == {"length": 2}
     assert len(report["requests"]) == 2
+
+
+def test_pyproject_lists_every_package():
+    """pyproject.toml lists the packages (the configs' mapping rules out a search): one
+    added under pp_runtime/ and not listed would be missing from every wheel."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools_cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {".".join(p.parent.relative_to(REPO).parts)
+               for p in (REPO / "pp_runtime").rglob("__init__.py")}
+    assert set(setuptools_cfg["packages"]) == on_disk | {"pp_runtime.configs"}
+    assert setuptools_cfg["package-dir"] == {"pp_runtime.configs": "configs"}
+    assert (REPO / "configs" / "tiny.yaml").is_file() and not (REPO / "pp_runtime" / "configs").exists()
