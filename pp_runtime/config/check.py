@@ -1,0 +1,185 @@
+"""Validation of a `Config`: field types, ranges and cross-field rules, each by `_check`.
+
+Every problem raises `ConfigError` as "section.field: problem; fix". No I/O, and no import
+of the sections (they call `validate`): it reads a config by its fields.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from pp_runtime.core.dtypes import AUTO_DTYPE, DTYPES
+from pp_runtime.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pp_runtime.config.sections import CacheConfig, Config, ParallelConfig
+
+FAMILIES = ("gpt", "llama")
+PLANNERS = ("sarathi", "orca-best", "orca-worst", "request-level", "vllm", "uniform",
+            "sarathi-serve", "gllm")
+
+LAYER_SPLIT_AUTO = "auto"  # parallel.layer_split chosen by costmodel/balance.py
+LAYER_SPLIT_EVEN = "even"  # even, also where a profile exists (None: auto there)
+
+
+def even_split(num_layers: int, pp: int) -> list[int]:
+    """Layers per stage, as even as possible; earlier stages take the remainder."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+def _check(ok: bool, field_name: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}: {problem}; {fix}")
+
+
+def _check_types(section: str, obj: Any) -> None:
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
+        wanted = [k for k in kinds if k in str(f.type)]
+        optional = "None" in str(f.type)
+        if (value is None and optional) or "list[" in str(f.type):  # lists: checked by field
+            continue
+        ok = any(
+            isinstance(value, kinds[k]) and not (k in ("int", "float") and isinstance(value, bool))
+            for k in wanted
+        )
+        _check(ok, f"{section}.{f.name}", f"got {value!r}", f"expected {f.type}")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError for any configuration that cannot work."""
+    for section in fields(cfg):
+        _check_types(section.name, getattr(cfg, section.name))
+    m, p, c, pl, rt, hw = cfg.model, cfg.parallel, cfg.cache, cfg.planner, cfg.runtime, cfg.hardware
+    _check(m.family in FAMILIES, "model.family", f"unknown model family {m.family!r}",
+           f"use one of {', '.join(FAMILIES)}")
+    _check(m.dtype in DTYPES or m.dtype == AUTO_DTYPE, "model.dtype", f"unknown dtype {m.dtype!r}",
+           f"use {AUTO_DTYPE} or one of {', '.join(DTYPES)}")
+    _check(m.checkpoint_dtype is None or m.checkpoint_dtype in DTYPES, "model.checkpoint_dtype",
+           f"unknown dtype {m.checkpoint_dtype!r}",
+           f"use one of {', '.join(DTYPES)} or leave it unset")
+    for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_positions"):
+        _check(getattr(m, name) >= 1, f"model.{name}", f"must be >= 1, got {getattr(m, name)}",
+               "set a positive value")
+    _check(m.hidden_size % m.num_heads == 0, "model.num_heads",
+           f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}",
+           "pick num_heads that divides hidden_size")
+    _check(m.kv_heads >= 1 and m.num_heads % m.kv_heads == 0, "model.num_kv_heads",
+           f"num_heads {m.num_heads} is not a multiple of num_kv_heads {m.kv_heads}",
+           "pick num_kv_heads that divides num_heads")
+    _check(m.family != "llama" or m.head_dim % 2 == 0, "model.hidden_size",
+           f"RoPE needs an even head dim, got {m.head_dim}", "change hidden_size or num_heads")
+    _check(m.ffn >= 1, "model.ffn_size", f"must be >= 1, got {m.ffn}", "set a positive value")
+    _check(m.act in ("gelu_new", "gelu", "relu", "silu"), "model.activation",
+           f"unknown activation {m.act!r}", "use gelu_new, gelu, relu or silu")
+    _check(m.eos_token_id is None or 0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id",
+           f"{m.eos_token_id} is outside the vocabulary [0, {m.vocab_size})", "fix or unset it")
+    _check(p.tp >= 1, "parallel.tp", f"must be >= 1, got {p.tp}", "use 1 for no tensor parallelism")
+    _check(p.pp >= 1, "parallel.pp", f"must be >= 1, got {p.pp}", "use 1 for no pipeline")
+    _check(p.dp >= 1, "parallel.dp", f"must be >= 1, got {p.dp}", "use 1 for one replica")
+    _check(hw.gpus_per_node >= 1, "hardware.gpus_per_node", f"must be >= 1, got {hw.gpus_per_node}",
+           "use e.g. 8 (a DGX node)")
+    cfg.workload.validate()
+    _check(m.num_heads % p.tp == 0, "parallel.tp",
+           f"num_heads {m.num_heads} is not divisible by tp {p.tp}", "pick tp that divides num_heads")
+    _check(m.kv_heads % p.tp == 0, "parallel.tp",
+           f"num_kv_heads {m.kv_heads} is not divisible by tp {p.tp}",
+           "pick tp that divides num_kv_heads")
+    _check(m.ffn % p.tp == 0, "parallel.tp", f"ffn_size {m.ffn} is not divisible by tp {p.tp}",
+           "pick tp that divides ffn_size")
+    _check(m.num_layers >= p.pp, "parallel.pp",
+           f"{m.num_layers} layers cannot fill {p.pp} pipeline stages",
+           f"use pp <= {m.num_layers}")
+    _check_layer_split(m.num_layers, p)
+    _check(pl.planner in PLANNERS, "planner.planner", f"unknown planner {pl.planner!r}",
+           f"use one of {', '.join(PLANNERS)}")
+    _check(pl.chunk_size >= 1, "planner.chunk_size", f"must be >= 1, got {pl.chunk_size}",
+           "use e.g. 256 (tile-aligned)")
+    _check(pl.max_batch_size >= 1, "planner.max_batch_size",
+           f"must be >= 1, got {pl.max_batch_size}", "use e.g. 8")
+    _check(pl.tile_size >= 1, "planner.tile_size", f"must be >= 1, got {pl.tile_size}", "use 128")
+    _check(pl.planner not in ("sarathi", "uniform") or not pl.tile_align
+           or pl.chunk_size >= pl.max_batch_size, "planner.chunk_size",
+           f"chunk_size {pl.chunk_size} leaves no prefill token beside "
+           f"{pl.max_batch_size - 1} piggybacked decodes",
+           "raise chunk_size above max_batch_size or set tile_align: false")
+    _check(pl.token_budget is None or pl.token_budget >= 1, "planner.token_budget",
+           f"must be >= 1, got {pl.token_budget}", "leave it unset for max_seq_len")
+    _check(pl.in_flight is None or pl.in_flight >= 1, "planner.in_flight",
+           f"must be >= 1, got {pl.in_flight}", "leave it unset for pp")
+    for knob in ("gllm_maxp", "gllm_minp", "gllm_iterp", "gllm_maxd"):
+        _check(getattr(pl, knob) >= 1, f"planner.{knob}", f"must be >= 1, got {getattr(pl, knob)}",
+               "use gLLM's default (maxp 8192, minp 32, iterp 8, maxd 512)")
+    _check(pl.gllm_kvthresh is None or 0 <= pl.gllm_kvthresh < 1, "planner.gllm_kvthresh",
+           f"must be in [0, 1), got {pl.gllm_kvthresh}", "use e.g. 0.05, or leave it unset")
+    _check(pl.spread >= 0, "planner.spread", f"must be >= 0 rounds, got {pl.spread}",
+           "0 turns it off; 4 is the default")
+    _check(pl.target_ms is None or pl.target_ms > 0, "planner.target_ms",
+           f"must be > 0, got {pl.target_ms}", "leave it unset for the default target")
+    _check(c.kv_slots is None or c.kv_slots >= 1, "cache.kv_slots",
+           f"must be >= 1, got {c.kv_slots}", "leave it unset for pp * max_batch_size")
+    _check(c.max_seq_len is None or 1 <= c.max_seq_len <= m.max_positions, "cache.max_seq_len",
+           f"{c.max_seq_len} is outside [1, max_positions={m.max_positions}]",
+           "leave it unset for max_positions")
+    _check_cache(c, cfg.seq_len)
+    _check(0 < c.memory_utilization <= 1, "cache.memory_utilization",
+           f"must be in (0, 1], got {c.memory_utilization}", "use e.g. 0.9")
+    _check(c.device_memory_gb is None or c.device_memory_gb > 0, "cache.device_memory_gb",
+           f"must be > 0, got {c.device_memory_gb}", "give the memory of one device in GB")
+    _check(rt.device == "auto" or rt.device == "cpu" or rt.device.split(":")[0] == "cuda",
+           "runtime.device", f"unknown device {rt.device!r}", "use auto, cpu, cuda or cuda:N")
+    _check(rt.executor in ("auto", "local", "ray", "torchrun"), "runtime.executor",
+           f"unknown executor {rt.executor!r}", "use auto, local, ray or torchrun")
+    _check(rt.executor != "local" or p.tp == 1, "runtime.executor",
+           f"the local executor runs tp=1, got tp={p.tp}", "use executor: ray (or auto)")
+    _check(rt.dist_port >= 0, "runtime.dist_port", f"must be >= 0, got {rt.dist_port}",
+           "use 0 for a free port")
+    _check(rt.threads_per_worker is None or rt.threads_per_worker >= 1, "runtime.threads_per_worker",
+           f"must be >= 1, got {rt.threads_per_worker}", "leave it unset for cores / workers")
+    _check(rt.kv_layout in ("auto", "heads", "tokens"), "runtime.kv_layout",
+           f"unknown layout {rt.kv_layout!r}", "use auto, heads or tokens")
+    _check(rt.step_timeout_s > 0 and rt.startup_timeout_s > 0, "runtime.step_timeout_s",
+           "timeouts must be > 0", "use e.g. 120 and 300 seconds")
+
+
+def _check_cache(c: CacheConfig, seq_len: int) -> None:
+    bs = c.block_size
+    _check(bs >= 1 and bs & (bs - 1) == 0 and bs <= seq_len, "cache.block_size",
+           f"{bs} is not a power of two in [1, max_seq_len={seq_len}]", "use e.g. 16")
+    n = c.num_blocks
+    _check(n is None or n == "auto" or (isinstance(n, int) and n * bs >= seq_len),
+           "cache.num_blocks", f"{n!r} blocks of {bs} tokens hold less than one request of "
+           f"max_seq_len={seq_len} tokens", f"use at least {-(-seq_len // bs)}, auto (from "
+           "cache.device_memory_gb), or leave it unset for kv_slots contexts")
+    _check(n != "auto" or c.device_memory_gb is not None, "cache.num_blocks",
+           "auto sizes the pool from cache.device_memory_gb, which is not set",
+           "set device_memory_gb or give num_blocks")
+    _check(c.paged or n is None, "cache.num_blocks", "paged: false reserves kv_slots whole "
+           "contexts; num_blocks does not apply", "set kv_slots instead")
+    _check(0 <= c.watermark < 1, "cache.watermark", f"must be in [0, 1), got {c.watermark}",
+           "use e.g. 0.01")
+    _check(c.paged or not c.prefix_caching, "cache.prefix_caching",
+           "needs the paged cache", "set paged: true or prefix_caching: false")
+    _check(c.max_running is None or c.max_running >= 1, "cache.max_running",
+           f"must be >= 1, got {c.max_running}", "leave it unset for what the blocks hold")
+
+
+def _check_layer_split(num_layers: int, p: ParallelConfig) -> None:
+    split, where = p.layer_split, "parallel.layer_split"
+    fix = (f"give {p.pp} counts (one per stage, each >= 1) summing to model.num_layers = "
+           f"{num_layers}, e.g. {even_split(num_layers, p.pp)}, or use auto (balanced by the "
+           f"cost model), even, or null (auto with a hardware.profile, else even)")
+    if split is None or split in (LAYER_SPLIT_AUTO, LAYER_SPLIT_EVEN):
+        return
+    _check(isinstance(split, (list, tuple)), where,
+           f"unknown value {split!r}" if isinstance(split, str) else f"got {split!r}", fix)
+    _check(all(isinstance(k, int) and not isinstance(k, bool) for k in split), where,
+           f"{list(split)} holds a non-integer", fix)
+    _check(len(split) == p.pp, where, f"{list(split)} has {len(split)} entries for pp = {p.pp}",
+           fix)
+    _check(min(split) >= 1, where, f"{list(split)} leaves a stage with no layer", fix)
+    _check(sum(split) == num_layers, where,
+           f"{list(split)} sums to {sum(split)} layers, the model has {num_layers}", fix)
+
