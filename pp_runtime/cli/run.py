@@ -12,7 +12,7 @@ from pp_runtime.cli.common import (RUN_DEFAULT_CONFIG, add_config_args, config_f
                                    report_kept, run_base_config, stopped_by)
 from pp_runtime.cli.simulate import run_to, workload_report
 from pp_runtime.config import Config, ConfigError
-from pp_runtime.costmodel.memory import kv_blocks
+from pp_runtime.costmodel.memory import kv_blocks, kv_cache_bytes
 from pp_runtime.core.driver import ExecutorFailed
 from pp_runtime.core.request import SamplingParams
 
@@ -130,12 +130,10 @@ def run_prompt_args(args, seq_len: int) -> tuple[int, int, int]:
 
 def kv_cache_text(cfg: Config) -> str:
     """The KV cache in one phrase: blocks, tokens, and bytes over all workers."""
-    m, c = cfg.model, cfg.cache
-    blocks = kv_blocks(cfg)
-    size = 2 * m.num_layers * blocks * c.block_size * m.kv_heads * m.head_dim * m.dtype_bytes
+    c, blocks = cfg.cache, kv_blocks(cfg)
     kind = "paged" if c.paged else f"{cfg.num_slots} slots of {cfg.seq_len} tokens"
     return (f"KV cache {blocks} blocks x {c.block_size} tokens ({kind}) = "
-            f"{size / 2**20:.0f} MiB")
+            f"{kv_cache_bytes(cfg) / 2**20:.0f} MiB")
 
 
 def add_parser(sub) -> None:

@@ -40,6 +40,20 @@ class MemoryPlan:
         )
 
 
+def kv_bytes_per_token(m: ModelConfig, layers: int, tp: int = 1,
+                       dtype_bytes: int | None = None) -> int:
+    """K and V of one token for `layers` layers on one of `tp` ranks (its kv_heads / tp
+    heads): the one KV-size rule (`memory_plan`, `stage_memory`, `kv_cache_bytes`)."""
+    dtype_bytes = m.dtype_bytes if dtype_bytes is None else dtype_bytes
+    return 2 * layers * (m.kv_heads // tp) * m.head_dim * dtype_bytes
+
+
+def kv_cache_bytes(cfg: Config) -> int:
+    """The KV cache over all workers: `kv_blocks` per stage of every layer and head."""
+    m = cfg.model
+    return kv_blocks(cfg) * cfg.cache.block_size * kv_bytes_per_token(m, m.num_layers)
+
+
 def memory_plan(cfg: Config, device_memory_gb: float | None = None) -> MemoryPlan:
     """The paper's maximum batch size for this model and parallel layout.
 
@@ -54,7 +68,7 @@ def memory_plan(cfg: Config, device_memory_gb: float | None = None) -> MemoryPla
     usable = gb * GB * cfg.cache.memory_utilization
     params = m.num_params() * m.dtype_bytes / (p.tp * p.pp)
     layers = math.ceil(m.num_layers / p.pp)
-    kv_token = 2 * layers * (m.kv_heads // p.tp) * m.head_dim * m.dtype_bytes
+    kv_token = kv_bytes_per_token(m, layers, p.tp)
     total = max(0, math.floor((usable - params) / (cfg.seq_len * kv_token)))
     return MemoryPlan(usable, params, cfg.seq_len, kv_token, total, total // p.pp)
 
@@ -125,7 +139,7 @@ def stage_memory(cfg: Config, stage: int, dtype_bytes: int, tp: int | None = Non
     else:
         counts = even_split(m.num_layers, pp)
         lo, hi = sum(counts[:stage]), sum(counts[:stage + 1])
-    per_block = 2 * (hi - lo) * (m.kv_heads // tp) * m.head_dim * bs * dtype_bytes
+    per_block = kv_bytes_per_token(m, hi - lo, tp, dtype_bytes) * bs
     per_slot = -(-cfg.seq_len // bs)
     blocks = slots * per_slot if slots else kv_blocks(cfg)
     return StageMemory(stage, stage_params(m, tp, lo, hi) * dtype_bytes, per_block, blocks, per_slot)

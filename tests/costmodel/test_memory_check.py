@@ -116,3 +116,27 @@ def test_simulator_names_the_paper_b_when_the_batch_is_too_big():
                                   "paper/gpt3_tp8", "paper/gpt3_tp8_pp8"])
 def test_every_shipped_deployment_fits(name):
     check_memory(load_config(name))
+
+
+@pytest.mark.parametrize("kv_heads", [None, 4], ids=["mha", "gqa"])
+def test_one_kv_size_rule_for_the_plan_the_stages_and_run(kv_heads):
+    """K and V counted once (`memory.kv_bytes_per_token`): the paper's B (`memory_plan`),
+    each stage's blocks (`stage_memory`) and `run`'s line (`kv_cache_bytes`) agree with a
+    hand count. GPT-2-small shapes, fp16, tp=2 x pp=2, 64 blocks of 16 tokens: a token is
+    2 (K, V) x 12 layers x 12 (or 4 GQA) heads x 64 dims x 2 bytes."""
+    import dataclasses
+
+    from pp_runtime.cli.run import kv_cache_text
+    from pp_runtime.costmodel.memory import kv_cache_bytes, memory_plan
+
+    cfg = Config().with_overrides(tp=2, pp=2, dtype="float16", paged=True, num_blocks=64,
+                                  block_size=16)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_kv_heads=kv_heads))
+    heads = kv_heads or 12
+    token = 2 * 12 * heads * 64 * 2  # every layer and head: 36864 B (GQA 12288 B)
+    assert kv_cache_bytes(cfg) == 64 * 16 * token
+    assert f"= {64 * 16 * token / 2**20:.0f} MiB" in kv_cache_text(cfg)
+    assert memory_plan(cfg, 80).kv_bytes_per_token == token // 4  # 6 layers, 1/2 the heads
+    stages = [stage_memory(cfg, s, 2) for s in range(2)]
+    assert [s.kv_bytes_per_block for s in stages] == [16 * token // 4] * 2
+    assert sum(s.kv_bytes * 2 for s in stages) == kv_cache_bytes(cfg)  # x tp ranks
