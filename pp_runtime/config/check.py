@@ -1,12 +1,17 @@
-"""Validation of a `Config`: field types, ranges and cross-field rules, each by `_check`.
+"""Validation of a `Config`: field types by pydantic (`_check_types`), ranges and cross-field
+rules by `_check`.
 
 Every problem raises `ConfigError` as "section.field: problem; fix". No I/O, and no import
 of the sections (they call `validate`): it reads a config by its fields.
 """
 from __future__ import annotations
 
+import typing
 from dataclasses import fields
+from functools import cache
 from typing import TYPE_CHECKING, Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from pp_runtime.core.dtypes import AUTO_DTYPE, DTYPES
 from pp_runtime.core.errors import ConfigError
@@ -33,19 +38,28 @@ def _check(ok: bool, field_name: str, problem: str, fix: str) -> None:
         raise ConfigError(f"{field_name}: {problem}; {fix}")
 
 
+# fields whose own check below gives the better message and fix
+_OWN_CHECK = {"parallel": {"layer_split"}}
+
+
+@cache
+def _field_types(cls: type) -> tuple[tuple[str, Any, TypeAdapter], ...]:
+    """(name, annotation as written, pydantic adapter) of each field of a section."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, f.type, TypeAdapter(hints[f.name])) for f in fields(cls))
+
+
 def _check_types(section: str, obj: Any) -> None:
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
-        wanted = [k for k in kinds if k in str(f.type)]
-        optional = "None" in str(f.type)
-        if (value is None and optional) or "list[" in str(f.type):  # lists: checked by field
+    """Each field's value against its annotation, by pydantic in strict mode: "3", true or
+    3.0 for an int are refused, an int for a float is taken."""
+    for name, annotation, adapter in _field_types(type(obj)):
+        if name in _OWN_CHECK.get(section, ()):
             continue
-        ok = any(
-            isinstance(value, kinds[k]) and not (k in ("int", "float") and isinstance(value, bool))
-            for k in wanted
-        )
-        _check(ok, f"{section}.{f.name}", f"got {value!r}", f"expected {f.type}")
+        value = getattr(obj, name)
+        try:
+            adapter.validate_python(value, strict=True)
+        except ValidationError:
+            _check(False, f"{section}.{name}", f"got {value!r}", f"expected {annotation}")
 
 
 def validate(cfg: Config) -> None:
