@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from pp_runtime.config import Config
-from pp_runtime.core.workload import RequestSpec, generate
+from pp_runtime.core.workload import RequestSpec, generate, workload_prompts
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def server_probe(url: str, cfg: Config, tbt_slo: float, ttft_slo: float | None,
                  vocab_size: int | None = None) -> Callable[[float], Probe]:
     """probe(qps) against the server at url: cfg's workload at that rate, streamed
     (prompt ids below vocab_size, default the config model's)."""
-    from pp_runtime.bench.loadgen import load_test, workload_prompts
+    from pp_runtime.bench.loadgen import load_test
 
     def probe(qps: float) -> Probe:
         specs = poisson_specs(cfg, qps)

@@ -2,9 +2,9 @@
 
 Each request of the workload (`workload.generate`: Poisson or all-at-once arrivals, or a
 trace file) is posted at its arrival time to `POST /v1/completions` with `stream: true`
-and a token-id prompt (random ids of the workload's prompt length, the rule of
-`llm.run_workload`, so offline `LLM.generate` can run the very same requests), asking for
-exactly its output length (`max_tokens`, `ignore_eos`). The client timestamps the
+and a token-id prompt (random ids of the workload's prompt length: `workload_prompts`,
+the rule `llm.run_workload` uses too, so offline `LLM.generate` can run the very same
+requests), asking for exactly its output length (`max_tokens`, `ignore_eos`). The client timestamps the
 response's server-sent events as they arrive:
 
 - TTFT = first token's arrival - the request's send time;
@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
-from pp_runtime.core.workload import RequestSpec
+from pp_runtime.core.workload import RequestSpec, workload_prompts  # noqa: F401 (callers' import)
 
 PERCENTILES = (50, 90, 99)
 
@@ -138,13 +137,6 @@ def format_summary(s: dict, label: str = "") -> str:
 
 
 # ---- the requests ------------------------------------------------------------------------
-def workload_prompts(specs: Sequence[RequestSpec], vocab_size: int, seed: int) -> list[list[int]]:
-    """Random token-id prompts of the specs' lengths: the rule of `llm.run_workload`
-    (random.Random(seed), randrange(vocab) per token, in order)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(s.prompt_len)] for s in specs]
-
-
 def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True}

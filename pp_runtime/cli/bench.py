@@ -84,8 +84,8 @@ def cmd_bench_serve(args) -> int:
 
 
 def _one_run(args, cfg, out: Path) -> int:
-    from pp_runtime.bench.loadgen import format_summary, load_test, results_rows, workload_prompts
-    from pp_runtime.core.workload import generate
+    from pp_runtime.bench.loadgen import format_summary, load_test, results_rows
+    from pp_runtime.core.workload import generate, workload_prompts
 
     specs = generate(cfg.workload)
     prompts = workload_prompts(specs, args.vocab_size or cfg.model.vocab_size, cfg.workload.seed)

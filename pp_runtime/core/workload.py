@@ -4,6 +4,7 @@
   rank 1 = min_len), split into prompt and output by the P:D ratio (the paper's generator);
 - `fixed`: every request has prompt_len + output_len;
 - `trace`: a JSONL file, one {"arrival_s", "prompt_len", "output_len"} per line.
+Prompts: random token ids of each request's length (`workload_prompts`).
 Arrivals: all at once (`qps: null`) or Poisson at `qps` requests per second; a trace keeps
 its own arrival times unless `qps` is set (then its lengths arrive at Poisson `qps`: what a
 capacity search probes).
@@ -12,6 +13,7 @@ Pure Python + numpy; the same seed gives the same workload.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +143,15 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
         lengths = [(cfg.prompt_len, cfg.output_len)] * n
     arrivals = np.zeros(n) if cfg.qps is None else poisson_arrivals(rng, cfg.qps, n)
     return [RequestSpec(float(a), p, d) for a, (p, d) in zip(arrivals, lengths)]
+
+
+def workload_prompts(specs: list[RequestSpec], vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token-id prompts of the specs' lengths: the one rule for a workload's prompts
+    (`llm.run_workload` offline, the load generator and capacity search over HTTP), so the
+    same seed sends the same ids either way: random.Random(seed), randrange(vocab_size)
+    per token, request after request."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(s.prompt_len)] for s in specs]
 
 
 def write_trace(specs: list[RequestSpec], path: str | Path) -> None:

@@ -166,13 +166,10 @@ def check_horizon(arrivals: Sequence[float]) -> None:
 def workload_requests(cfg: Config) -> tuple[list, list[list[int]], list[SamplingParams]]:
     """cfg's workload as requests: its specs, random token-id prompts of their lengths
     (seeded by workload.seed) and greedy params generating exactly each output length."""
-    import random
-
-    from pp_runtime.core.workload import generate as generate_workload
+    from pp_runtime.core.workload import generate as generate_workload, workload_prompts
 
     specs = generate_workload(cfg.workload)
-    rng = random.Random(cfg.workload.seed)
-    prompts = [[rng.randrange(cfg.model.vocab_size) for _ in range(s.prompt_len)] for s in specs]
+    prompts = workload_prompts(specs, cfg.model.vocab_size, cfg.workload.seed)
     params = [SamplingParams(max_tokens=s.output_len, ignore_eos=True) for s in specs]
     return specs, prompts, params
 

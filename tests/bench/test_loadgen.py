@@ -18,8 +18,8 @@ import pytest
 from pp_runtime.bench.capacity import Probe, capacity_search, meets, poisson_specs, sim_probe
 from pp_runtime.config import load_config
 from pp_runtime.bench.loadgen import (RequestResult, ServerUnreachable, load_test, percentiles,
-                                slo_attainment, summarize, workload_prompts)
-from pp_runtime.core.workload import RequestSpec
+                                      slo_attainment, summarize)
+from pp_runtime.core.workload import RequestSpec, workload_prompts
 
 
 def result(i, sent, times, finish="length", **kw):
@@ -75,6 +75,21 @@ def test_prompts_follow_run_workloads_rule():
     specs = [RequestSpec(0.0, 3, 2), RequestSpec(0.1, 2, 2)]
     rng = random.Random(7)
     assert workload_prompts(specs, 50, 7) == [[rng.randrange(50) for _ in range(n)] for n in (3, 2)]
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_offline_and_http_send_the_same_prompts(seed):
+    """One rule for a workload's prompts: `run_workload`'s requests (offline) and the load
+    generator's / capacity search's (over HTTP) are the same token ids for the same seed."""
+    from pp_runtime.engine.llm import workload_requests
+    from pp_runtime.core.workload import generate
+
+    cfg = load_config("tiny", **{"workload.seed": seed, "workload.num_requests": 5})
+    specs, offline, _ = workload_requests(cfg)
+    assert offline == workload_prompts(generate(cfg.workload), cfg.model.vocab_size, seed)
+    assert [len(p) for p in offline] == [s.prompt_len for s in specs]
+    other = load_config("tiny", **{"workload.seed": seed + 1, "workload.num_requests": 5})
+    assert workload_requests(other)[1] != offline  # the seed matters
 
 
 # ---- the client against a fake streaming server -------------------------------------------
