@@ -67,26 +67,6 @@ class _Open:
     error: str | None = None
 
 
-class _Accounting(RuntimeMetrics):
-    """The engine's live metrics; also keeps each ended request's bubble for its timing."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ended_bubble_s: dict[int, float] = {}
-
-    def _finish(self, req: Request) -> None:
-        self.ended_bubble_s[req.request_id] = self._bubble_s.get(req.request_id, 0.0)
-        super()._finish(req)
-
-    def take_bubble_s(self, rid: int) -> float:
-        """The bubble of a request that ended; forgets it (aborted ones were never recorded)."""
-        if rid in self.ended_bubble_s:
-            return self.ended_bubble_s.pop(rid)
-        self._last_token_s.pop(rid, None)
-        self._gaps_s.pop(rid, None)
-        return self._bubble_s.pop(rid, 0.0)
-
-
 class Engine:
     """`cfg`'s planner and driver loop over `executor` (local, ray, or sim with its clock).
 
@@ -118,9 +98,10 @@ class Engine:
         self._kv_waiting = 0  # requests the planner could not admit (engine thread writes)
         self.failure: BaseException | None = None  # the executor's error, once it failed
         self._thread: threading.Thread | None = None
-        self.metrics = _Accounting.for_config(cfg, self._requests, clock,
-                                              lambda: len(self._planner.waiting),
-                                              sink if sink is not None else NullSink())
+        self.metrics = RuntimeMetrics.for_config(cfg, self._requests, clock,
+                                                 lambda: self._planner.num_waiting(),
+                                                 sink if sink is not None else NullSink(),
+                                                 keep_ended=True)
         self._executor = _Stamped(self.metrics.watch(executor), self._open, clock)
 
     # ---- callers (any thread) ----------------------------------------------------------
@@ -245,7 +226,7 @@ class Engine:
             self._thread.start()
 
     # ---- the intake, on the engine thread (driver.Intake) -------------------------------
-    def pull(self, planner, now: float) -> None:
+    def pull(self, planner: driver.Planner, now: float) -> None:
         """Hand the planner what arrived by `now`, then apply the aborts that can be."""
         arrived = []
         with self._cond:
@@ -265,12 +246,12 @@ class Engine:
                 with self._cond:  # in the pipeline: again once its micro-batch is back
                     self._aborts.setdefault(rid, (reason, error))
 
-    def _refuse_overflow(self, planner, now: float) -> None:
+    def _refuse_overflow(self, planner: driver.Planner, now: float) -> None:
         """Admit what the free KV blocks take now; of the arrived requests still waiting,
         end the newest never-run ones beyond `max_waiting` (QUEUE_FULL). Preempted ones
         (they have run) always wait."""
         planner.admit(now)
-        queued = [r for r in planner.waiting if r.arrival_s <= now and r.blocks is None]
+        queued = planner.queued(now)
         fresh = [r for r in queued if r.num_preemptions == 0 and not r.output_token_ids]
         over = min(len(fresh), len(queued) - self.max_waiting)
         for req in fresh[len(fresh) - over:] if over > 0 else ():
@@ -297,8 +278,8 @@ class Engine:
                 else:
                     self._cond.wait()
 
-    def _abort_now(self, planner, o: _Open, reason: FinishReason, error: str | None,
-                   now: float) -> bool:
+    def _abort_now(self, planner: driver.Planner, o: _Open, reason: FinishReason,
+                   error: str | None, now: float) -> bool:
         """End `o` unless a micro-batch in flight still carries it (False: try later)."""
         req = o.req
         if req.finished:
@@ -306,13 +287,8 @@ class Engine:
         if not o.in_planner:
             o.dropped = True
             req.finish_reason, req.finish_s = reason, now
-        elif req.blocks is None:  # admitted to nothing yet
-            planner.waiting.remove(req)
-            req.finish_reason, req.finish_s = reason, now
-        elif req.in_flight:
+        elif not planner.abort(req, reason, now):  # frees its KV slot
             return False
-        else:
-            planner.finish(req, reason, now)  # frees its KV slot
         o.error = error
         self._end(o)
         return True
@@ -383,7 +359,7 @@ class Engine:
             self._aborts.pop(rid, None)
             if o.watcher is not None:
                 o.watcher.request_ids.discard(rid)
-        self._planner.requests.pop(rid, None)  # ended: nothing refers to it any more
+        self._planner.forget(rid)  # ended: nothing refers to it any more
         out = o.req.output(o.error)
         self._emit(o, Finished(o.key, out, _timing(o, out, self.metrics.take_bubble_s(rid)),
                                refused=o.error == QUEUE_FULL))

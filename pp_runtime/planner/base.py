@@ -61,6 +61,33 @@ class BasePlanner:
         """When the next waiting request arrives (None when none waits)."""
         return self.waiting[0].arrival_s if self.waiting else None
 
+    def num_waiting(self) -> int:
+        """Requests not admitted yet, arrived or not (preempted ones included)."""
+        return len(self.waiting)
+
+    def queued(self, now: float) -> list[Request]:
+        """Requests that have arrived by `now` and hold no KV blocks, first in line first."""
+        return [r for r in self.waiting if r.arrival_s <= now and r.blocks is None]
+
+    def abort(self, req: Request, reason: FinishReason, now: float) -> bool:
+        """End `req` now unless a micro-batch in flight carries it (False: try again once
+        that micro-batch is back): one still waiting leaves the queue, an admitted one is
+        finished and its KV blocks freed."""
+        if req.finished:
+            return True
+        if req.blocks is None:  # admitted to nothing (yet, or again: preempted)
+            self.waiting.remove(req)
+            req.finish_reason, req.finish_s = reason, now
+        elif req.in_flight:
+            return False
+        else:
+            self.finish(req, reason, now)
+        return True
+
+    def forget(self, request_id: int) -> None:
+        """Drop an ended request's record (an online engine ends requests without end)."""
+        self.requests.pop(request_id, None)
+
     def admit(self, now: float) -> None:
         """Arrived requests, first come first served, while their blocks are free (beyond the
         watermark unless nothing runs: a lone request may take the whole pool)."""

@@ -159,12 +159,14 @@ class RuntimeMetrics:
     """One run's live metrics. Feed it through `watch()` (executor) and `chain()` (callback).
 
     `requests`: the run's requests by id (for TTFT and finishing); `queue_depth`: how many
-    arrived requests wait for admission right now; `clock`: the driver's clock.
+    arrived requests wait for admission right now; `clock`: the driver's clock;
+    `keep_ended`: keep each finished request's bubble until `take_bubble_s` asks for it
+    (the online engine's per-request timing).
     """
 
     def __init__(self, deployment: str, requests: Mapping[int, Request],
                  clock: Callable[[], float], queue_depth: Callable[[], int] = lambda: 0,
-                 sink: Sink | None = None):
+                 sink: Sink | None = None, keep_ended: bool = False):
         self.tags = {"deployment": deployment}
         self.sink = sink if sink is not None else default_sink()
         self.requests, self.clock, self.queue_depth = requests, clock, queue_depth
@@ -173,6 +175,7 @@ class RuntimeMetrics:
         self._bubble_s: dict[int, float] = {}  # request id -> bubble so far (unfinished)
         self._last_token_s: dict[int, float] = {}
         self._gaps_s: dict[int, list[float]] = {}
+        self._ended_bubble_s: dict[int, float] | None = {} if keep_ended else None
         self._pending: dict[tuple, float] = {}  # (metric, tags) -> counter sum since the flush
         self._gauges: dict[tuple, float] = {}  # (metric, tags) -> last value since the flush
         self._observed: list[tuple[int, int]] = []  # (prefill, decode) tokens per micro-batch
@@ -181,8 +184,8 @@ class RuntimeMetrics:
     @classmethod
     def for_config(cls, cfg: Config, requests: Mapping[int, Request],
                    clock: Callable[[], float], queue_depth: Callable[[], int] = lambda: 0,
-                   sink: Sink | None = None) -> "RuntimeMetrics":
-        return cls(deployment_tag(cfg), requests, clock, queue_depth, sink)
+                   sink: Sink | None = None, keep_ended: bool = False) -> "RuntimeMetrics":
+        return cls(deployment_tag(cfg), requests, clock, queue_depth, sink, keep_ended)
 
     # ---- hooks into the driver loop ------------------------------------------------------
     def watch(self, executor) -> "_Watched":
@@ -240,9 +243,21 @@ class RuntimeMetrics:
             if req is not None and req.finished:
                 self._finish(req)
 
+    def take_bubble_s(self, request_id: int) -> float:
+        """The bubble of a request that ended, and forget it: as recorded when it finished
+        (kept with `keep_ended`), or so far for one that ended unrecorded (aborted)."""
+        if self._ended_bubble_s is not None and request_id in self._ended_bubble_s:
+            return self._ended_bubble_s.pop(request_id)
+        self._last_token_s.pop(request_id, None)
+        self._gaps_s.pop(request_id, None)
+        return self._bubble_s.pop(request_id, 0.0)
+
     def _finish(self, req: Request) -> None:
         rid = req.request_id
-        self._record(Metric.REQUEST_BUBBLE, self._bubble_s.pop(rid, 0.0))
+        bubble = self._bubble_s.pop(rid, 0.0)
+        if self._ended_bubble_s is not None:
+            self._ended_bubble_s[rid] = bubble
+        self._record(Metric.REQUEST_BUBBLE, bubble)
         if req.first_token_s is not None:
             self._record(Metric.REQUEST_TTFT, req.first_token_s - req.arrival_s)
         for gap in self._gaps_s.pop(rid, ()):
