@@ -16,8 +16,16 @@ from pp_runtime.core.request import FinishReason, Request
 
 
 class Executor(Protocol):
+    """What runs the micro-batches (`executors/`: local, ray, torchrun, sim); the loop uses
+    `submit` and `wait`, its callers the rest, and nothing else of an executor."""
+
+    name: str  # "local", "ray", "torchrun" or "sim": reports and the start banner name it
+    device: object  # what the stages run on, resolved (str() gives "cpu", "cuda", "sim")
+
+    def describe(self) -> str: ...  # one line for the banner: device and placement
     def submit(self, mb: MicroBatch) -> object: ...
     def wait(self, handle: object) -> SampledTokens: ...
+    def shutdown(self) -> None: ...  # release the stages; a second call does nothing
 
 
 class Planner(Protocol):

@@ -79,7 +79,7 @@ class Engine:
     `clock`/`sleep`: the driver's (a `VirtualClock` and its `sleep` for the simulator).
     """
 
-    def __init__(self, cfg: Config, executor, *, sink: Sink | None = None,
+    def __init__(self, cfg: Config, executor: driver.Executor, *, sink: Sink | None = None,
                  max_waiting: int | None = None, thread_init: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] | None = None):
@@ -382,11 +382,23 @@ def _timing(o: _Open, out: RequestOutput, bubble_s: float) -> RequestTiming:
 
 
 class _Stamped:
-    """The executor, noting when each request's first micro-batch was submitted."""
+    """The executor, noting when each request's first micro-batch was submitted; the rest
+    of `driver.Executor` is the executor's own."""
 
-    def __init__(self, executor, opened: dict[int, _Open], clock: Callable[[], float]):
+    def __init__(self, executor: driver.Executor, opened: dict[int, _Open],
+                 clock: Callable[[], float]):
         self.executor, self.opened, self.clock = executor, opened, clock
         self.name = executor.name
+
+    @property
+    def device(self):
+        return self.executor.device
+
+    def describe(self) -> str:
+        return self.executor.describe()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def submit(self, mb: MicroBatch) -> object:
         now = self.clock()

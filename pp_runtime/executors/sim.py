@@ -60,6 +60,7 @@ class VirtualClock:
 
 class SimExecutor:
     name = "sim"
+    device = "sim"  # nothing real: the cost model's stages on a virtual clock
 
     def __init__(self, cost: StageCost, pp: int, clock: VirtualClock):
         self.cost, self.clock = cost, clock
@@ -110,6 +111,9 @@ class SimExecutor:
         end, out = self._done.pop(handle)
         self.clock.advance_to(end)
         return out
+
+    def describe(self) -> str:
+        return f"sim ({len(self.free)} stages priced by the cost model, virtual clock)"
 
     def shutdown(self) -> None:
         self._done.clear()

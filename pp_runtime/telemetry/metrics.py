@@ -289,11 +289,22 @@ class RuntimeMetrics:
 
 
 class _Watched:
-    """An executor wrapper that reports the number of micro-batches in flight."""
+    """An executor wrapper that reports the number of micro-batches in flight; the rest of
+    `driver.Executor` is the executor's own."""
 
     def __init__(self, executor, metrics: RuntimeMetrics):
         self.executor, self.metrics = executor, metrics
         self.name = executor.name
+
+    @property
+    def device(self):
+        return self.executor.device
+
+    def describe(self) -> str:
+        return self.executor.describe()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def submit(self, mb: MicroBatch) -> object:
         handle = self.executor.submit(mb)

@@ -48,3 +48,53 @@ def test_the_intake_methods_queue_abort_and_forget(name):
     assert 0 not in p.requests
     mb = p.schedule(6.0)
     assert [s.request_id for s in mb.seqs] == [2] and p.queued(6.0) == []
+
+
+def executor_classes():
+    from pp_runtime.executors.local import LocalExecutor
+    from pp_runtime.executors.ray_executor import RayExecutor
+    from pp_runtime.executors.sim import SimExecutor
+    from pp_runtime.executors.torchrun_executor import TorchrunExecutor
+    return [LocalExecutor, RayExecutor, SimExecutor, TorchrunExecutor]
+
+
+def test_every_executor_class_has_every_member_of_the_executor_protocol():
+    """Methods on the class; `name` a class attribute; `device` a class attribute or set
+    by the executor itself (Ray's and torchrun's once their workers are up)."""
+    import inspect
+
+    methods = [m for m in members(driver.Executor) if callable(getattr(driver.Executor, m))]
+    assert {"describe", "submit", "wait", "shutdown"} <= set(methods)
+    assert {"name", "device"} <= set(driver.Executor.__annotations__)
+    for cls in executor_classes():
+        for m in methods:
+            assert callable(getattr(cls, m, None)), f"{cls.__name__} lacks Executor.{m}"
+        assert isinstance(getattr(cls, "name", None), str), f"{cls.__name__} lacks a name"
+        assert hasattr(cls, "device") or "self.device = " in inspect.getsource(cls), cls
+
+
+def test_a_local_and_a_simulated_executor_and_the_engines_wrappers_are_executors():
+    """Built for real (the local one on a tiny CPU model): every member answers, and the
+    engine's and the metrics' wrappers pass each one through."""
+    from pp_runtime.config import load_config
+    from pp_runtime.engine.online import Engine
+    from pp_runtime.executors.local import LocalExecutor
+    from pp_runtime.executors.sim import SimExecutor, VirtualClock
+
+    class Free:
+        def stage_times(self, prefills, decodes):
+            return [0.0, 0.0]
+
+        def send_time(self, num_tokens, stage):
+            return 0.0
+
+    cfg = load_config("tiny", pp=2, executor="local", device="cpu")
+    clock = VirtualClock()
+    for ex in (LocalExecutor(cfg), SimExecutor(Free(), 2, clock)):
+        engine = Engine(cfg, ex, clock=clock, sleep=clock.sleep)
+        for e in (ex, engine._executor, engine._executor.executor):
+            assert e.name == ex.name and str(e.device) in ("cpu", "cuda", "sim")
+            assert e.describe() == ex.describe() and ex.name in e.describe()
+        engine.close()
+        engine._executor.shutdown()
+        ex.shutdown()  # a second call does nothing
