@@ -1,23 +1,20 @@
-"""The control channel's wire format: plain JSON, typed by the dataclasses in `core/batch.py`.
+"""The control channel's wire format: JSON, typed by the dataclasses in `core/batch.py`.
 
-Nothing here unpickles. A message is JSON text; `decode(data, schema)` rebuilds the one
-type the receiver expects, walking the type hints of the dataclasses themselves (no second
-schema to keep in step): a dataclass is an object with exactly its field names, a
-`tuple[X, ...]` or `list[X]` a list, a `dict[int, int]` a list of [key, value] pairs (JSON object keys
-are strings), `X | None` either. Ints must be JSON integers (not booleans), floats may be
-either number. Anything else (a pickle, unknown or missing fields, a wrong type) raises
-`WireError` naming the path of the bad value. No torch.
+Nothing here unpickles. pydantic writes and reads a message from the dataclasses' own type
+hints (a `TypeAdapter` of the schema, so no second schema to keep in step), closed and
+strict: every field present (a default is the sender's to fill in), no unknown field, ints as
+JSON integers (not "3", 3.0 or true), floats either number, a `dict[int, int]` a JSON object
+whose keys are integers, `X | None` either. Anything else (a pickle, a wrong type) raises
+`WireError` naming the path of the bad value, on both sides: `encode` refuses a value that
+does not fit the schema (numpy integers are taken as ints). No torch.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-import numbers
-import operator
-import types
-import typing
 from functools import cache
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+from pydantic_core import PydanticSerializationError, SchemaSerializer, SchemaValidator
 
 from pp_runtime.core.batch import MicroBatch, StageTiming
 
@@ -31,106 +28,95 @@ class WireError(ValueError):
 
 def encode(value: Any, schema: Any) -> bytes:
     """`value` as JSON bytes; raises WireError if it does not fit `schema`."""
-    return json.dumps(_to_json(value, schema, "message"), separators=(",", ":"),
-                      allow_nan=False).encode()
+    validator, serializer = _codec(schema)
+    try:  # the serializer checks each value's type as it writes it
+        return serializer.to_json(value, warnings="error")
+    except PydanticSerializationError:
+        pass
+    try:  # a list where a tuple is declared (or the reverse), or a bad value: which?
+        data = serializer.to_json(value, warnings="none")
+        validator.validate_json(data, strict=True)
+        return data
+    except ValidationError as exc:
+        raise WireError(_problem(exc, "cannot send")) from None
+    except PydanticSerializationError:
+        raise WireError(f"message: cannot send {type(value).__name__} {value!r:.80} "
+                        f"as {schema}") from None
 
 
 def decode(data: bytes, schema: Any) -> Any:
     """The value of type `schema` that `data` encodes; WireError for anything else."""
     try:
-        raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"not a JSON control message ({len(data)} bytes, starting "
-                        f"{bytes(data[:8])!r}): {exc}") from None
-    return _from_json(raw, schema, "message")
+        return _codec(schema)[0].validate_json(data, strict=True)
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "json_invalid":
+            raise WireError(f"not a JSON control message ({len(data)} bytes, starting "
+                            f"{bytes(data[:8])!r}): {exc.errors()[0]['msg']}") from None
+        raise WireError(_problem(exc, "expected")) from None
 
 
 @cache
-def _hints(cls: type) -> tuple[tuple[str, Any], ...]:
-    hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+def _codec(schema: Any) -> tuple[SchemaValidator, SchemaSerializer]:
+    core = _closed(TypeAdapter(schema).core_schema)
+    return SchemaValidator(core), SchemaSerializer(core)
 
 
-def _union_args(schema: Any) -> tuple | None:
-    if typing.get_origin(schema) in (typing.Union, types.UnionType):
-        return typing.get_args(schema)
-    return None
+def _closed(schema: Any) -> Any:
+    """pydantic's schema of the dataclasses with every field required and none unknown
+    (a peer of another version fails loudly instead of being read with defaults), and
+inf and nan written and read back as floats."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: _closed(value) for key, value in schema.items()}
+    if schema.get("type") == "dataclass-field" and schema["schema"]["type"] == "default":
+        schema["schema"] = schema["schema"]["schema"]
+    if schema.get("type") == "dataclass-args":
+        schema["extra_behavior"] = "forbid"
+    if schema.get("type") == "dataclass":  # inf and nan as JSON's usual Infinity and NaN
+        schema["config"] = {**schema.get("config", {}), "ser_json_inf_nan": "constants"}
+    return schema
 
 
-def _to_json(value: Any, schema: Any, path: str) -> Any:
-    if (options := _union_args(schema)) is not None:
-        if value is None and type(None) in options:
-            return None
-        (inner,) = [t for t in options if t is not type(None)]
-        return _to_json(value, inner, path)
-    if schema is bool and isinstance(value, bool):
-        return value
-    if schema is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return operator.index(value)
-    if schema is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
-    if dataclasses.is_dataclass(schema) and isinstance(value, schema):
-        return {name: _to_json(getattr(value, name), hint, f"{path}.{name}")
-                for name, hint in _hints(schema)}
-    origin, args = typing.get_origin(schema), typing.get_args(schema)
-    if origin is list and isinstance(value, (tuple, list)):
-        return [_to_json(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple and isinstance(value, (tuple, list)):
-        items = _tuple_items(args, len(value), path)
-        return [_to_json(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, items))]
-    if origin is dict and isinstance(value, dict):
-        kt, vt = args
-        return [[_to_json(k, kt, f"{path} key"), _to_json(v, vt, f"{path}[{k!r}]")]
-                for k, v in value.items()]
-    raise WireError(f"{path}: cannot send {type(value).__name__} {value!r:.80} as {_name(schema)}")
+def _path(loc: tuple) -> str:
+    out = "message"
+    for i, part in enumerate(loc):
+        if part == "[key]":
+            out += " key"
+        elif isinstance(part, str) and part.isidentifier() and loc[i + 1:i + 2] != ("[key]",):
+            out += f".{part}"
+        else:
+            out += f"[{part!r}]"
+    return out
 
 
-def _from_json(raw: Any, schema: Any, path: str) -> Any:
-    if (options := _union_args(schema)) is not None:
-        if raw is None and type(None) in options:
-            return None
-        (inner,) = [t for t in options if t is not type(None)]
-        return _from_json(raw, inner, path)
-    if schema is bool and isinstance(raw, bool):
-        return raw
-    if schema is int and type(raw) is int:
-        return raw
-    if schema is float and type(raw) in (int, float):
-        return float(raw)
-    if dataclasses.is_dataclass(schema) and isinstance(raw, dict):
-        hints = _hints(schema)
-        names = {name for name, _ in hints}
-        if set(raw) != names:
-            extra, missing = sorted(set(raw) - names), sorted(names - set(raw))
-            raise WireError(f"{path}: {schema.__name__} fields do not match "
-                            f"(unknown: {extra or 'none'}, missing: {missing or 'none'})")
-        return schema(**{name: _from_json(raw[name], hint, f"{path}.{name}")
-                         for name, hint in hints})
-    origin, args = typing.get_origin(schema), typing.get_args(schema)
-    if origin is list and isinstance(raw, list):
-        return [_from_json(v, args[0], f"{path}[{i}]") for i, v in enumerate(raw)]
-    if origin is tuple and isinstance(raw, list):
-        items = _tuple_items(args, len(raw), path)
-        return tuple(_from_json(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(raw, items)))
-    if origin is dict and isinstance(raw, list):
-        kt, vt = args
-        out = {}
-        for i, pair in enumerate(raw):
-            if not (isinstance(pair, list) and len(pair) == 2):
-                raise WireError(f"{path}[{i}]: expected a [key, value] pair, got {pair!r:.80}")
-            key = _from_json(pair[0], kt, f"{path}[{i}] key")
-            out[key] = _from_json(pair[1], vt, f"{path}[{key!r}]")
-        return out
-    raise WireError(f"{path}: expected {_name(schema)}, got {type(raw).__name__} {raw!r:.80}")
-
-
-def _tuple_items(args: tuple, n: int, path: str) -> list:
-    if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
-        return [args[0]] * n
-    if len(args) != n:
-        raise WireError(f"{path}: expected {len(args)} items, got {n}")
-    return list(args)
-
-
-def _name(schema: Any) -> str:
-    return getattr(schema, "__name__", None) if isinstance(schema, type) else str(schema)
+def _problem(exc: ValidationError, verb: str) -> str:
+    """The first problem pydantic found, as "path: expected int, got str '3'"; a dataclass's
+    missing and unknown fields together."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc, kind = first["loc"], first["type"]
+    if kind in ("missing", "unexpected_keyword_argument") and loc and isinstance(loc[-1], str):
+        where = loc[:-1]
+        unknown = [e["loc"][-1] for e in errors
+                   if e["type"] == "unexpected_keyword_argument" and e["loc"][:-1] == where]
+        missing = [e["loc"][-1] for e in errors if e["type"] == "missing" and e["loc"][:-1] == where]
+        return (f"{_path(where)}: fields do not match (unknown: {unknown or 'none'}, "
+                f"missing: {missing or 'none'})")
+    if kind == "missing":  # a tuple too short: one error per missing item
+        short = sum(e["type"] == "missing" and e["loc"][:-1] == loc[:-1] for e in errors)
+        return f"{_path(loc[:-1])}: expected {loc[-1] + short} items, got {loc[-1]}"
+    ctx = first.get("ctx") or {}
+    if kind in ("too_long", "too_short"):
+        return f"{_path(loc)}: expected {ctx.get('max_length', '?')} items, got {ctx.get('actual_length', '?')}"
+    value = first["input"]
+    if "class_name" in ctx:
+        wanted = ctx["class_name"]
+    elif kind.endswith(("_type", "_parsing")):
+        wanted = kind.rsplit("_", 1)[0]
+    else:
+        wanted = first["msg"]
+    if verb == "cannot send":
+        return f"{_path(loc)}: cannot send {type(value).__name__} {value!r:.80} as {wanted}"
+    return f"{_path(loc)}: expected {wanted}, got {type(value).__name__} {value!r:.80}"
