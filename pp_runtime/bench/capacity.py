@@ -121,8 +121,8 @@ def server_probe(url: str, cfg: Config, tbt_slo: float, ttft_slo: float | None,
         prompts = workload_prompts(specs, vocab_size or cfg.model.vocab_size, cfg.workload.seed)
         s, _ = load_test(url, specs, prompts, api_key=api_key, ttft_slo=ttft_slo,
                          tbt_slo=tbt_slo, progress=progress, desc=f"{qps:.3g} req/s")
-        return Probe(qps, s["tbt_s"]["p99"], s["ttft_s"]["p50"],
-                     meets(s["tbt_s"]["p99"], s["ttft_s"]["p50"], tbt_slo, ttft_slo, s["failed"]), s)
+        tbt, ttft = s["tbt_s"]["p99"], s["ttft_s"]["median"]  # the run report's keys, as sim_probe
+        return Probe(qps, tbt, ttft, meets(tbt, ttft, tbt_slo, ttft_slo, s["failed"]), s)
 
     return probe
 

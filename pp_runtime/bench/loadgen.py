@@ -12,7 +12,7 @@ response's server-sent events as they arrive:
   tokens of one event share its arrival time (gaps of 0 after the first), as a user sees them;
 - a request meets the SLOs when its TTFT <= ttft_slo and its own p99 TBT <= tbt_slo.
 
-`summarize` reports TTFT and TBT p50/p90/p99 (TBT pooled over every token of every
+`summarize` reports TTFT and TBT median/p90/p99 (the run report's helper and keys; TBT pooled over every token of every
 request, as the simulator's report does), throughput (output tokens/s and requests/s over
 the run's wall time) and SLO attainment. The HTTP client is aiohttp (declared in pyproject.toml;
 also a dependency of ray[default]). No torch.
@@ -25,11 +25,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-import numpy as np
 
 from pp_runtime.core.workload import RequestSpec, workload_prompts  # noqa: F401 (callers' import)
+from pp_runtime.telemetry.report import _stats as stats  # the one percentile helper
 
-PERCENTILES = (50, 90, 99)
+LATENCY_KEYS = ("median", "p90", "p99")  # the run report's keys (`report.json`'s ttft_s, tbt_s)
 
 
 class ServerUnreachable(ConnectionError):
@@ -66,11 +66,8 @@ class RequestResult:
         return [b - a for a, b in zip(t, t[1:])]
 
 
-def percentiles(values: Sequence[float], ps: Sequence[float] = PERCENTILES) -> dict[str, float | None]:
-    """{"p50": ..., "p90": ..., "p99": ...} by linear interpolation (numpy's default, as
-    the run reports use); None for every key when there are no values."""
-    a = np.asarray(values, dtype=float)
-    return {f"p{p:g}": (float(np.percentile(a, p)) if a.size else None) for p in ps}
+def _p99(values: Sequence[float]) -> float | None:
+    return stats(values, ("p99",))["p99"]
 
 
 def slo_attainment(results: Sequence[RequestResult], ttft_slo: float | None,
@@ -86,7 +83,7 @@ def slo_attainment(results: Sequence[RequestResult], ttft_slo: float | None,
         return r.ok and (ttft_slo is None or (r.ttft_s is not None and r.ttft_s <= ttft_slo))
 
     def tbt_ok(r):
-        return r.ok and (tbt_slo is None or not r.tbt_s or float(np.percentile(r.tbt_s, 99)) <= tbt_slo)
+        return r.ok and (tbt_slo is None or not r.tbt_s or _p99(r.tbt_s) <= tbt_slo)
 
     return {"ttft": None if ttft_slo is None else sum(map(ttft_ok, results)) / n,
             "tbt": None if tbt_slo is None else sum(map(tbt_ok, results)) / n,
@@ -100,21 +97,21 @@ def summarize(results: Sequence[RequestResult], wall_s: float, ttft_slo: float |
     done = [r for r in results if r.ok]
     out_tokens = sum(len(r.token_times_s) for r in done)
     timing = [r.server_timing for r in done if r.server_timing]
-    server = {k: percentiles([t[k] for t in timing if t.get(k) is not None])["p50"]
+    server = {k: stats([t[k] for t in timing if t.get(k) is not None], ("median",))["median"]
               for k in ("queue_s", "ttft_s", "generation_s", "bubble_s")} if timing else None
     return {
         "num_requests": len(results), "completed": len(done),
         "failed": len(results) - len(done),
         "rejected": sum(1 for r in results if r.status in (429, 503)),
         "wall_s": wall_s,
-        "ttft_s": percentiles([r.ttft_s for r in done if r.ttft_s is not None]),
-        "tbt_s": percentiles([g for r in done for g in r.tbt_s]),
+        "ttft_s": stats([r.ttft_s for r in done if r.ttft_s is not None], LATENCY_KEYS),
+        "tbt_s": stats([g for r in done for g in r.tbt_s], LATENCY_KEYS),
         "output_tok_s": out_tokens / wall_s if wall_s > 0 else 0.0,
         "requests_s": len(done) / wall_s if wall_s > 0 else 0.0,
         "output_tokens": out_tokens,
         "slo": {"ttft_s": ttft_slo, "tbt_s": tbt_slo},
         "slo_attainment": slo_attainment(results, ttft_slo, tbt_slo),
-        "server_p50": server,  # medians of the server's own per-request timing
+        "server_median": server,  # medians of the server's own per-request timing
     }
 
 
@@ -124,15 +121,15 @@ def format_summary(s: dict, label: str = "") -> str:
     lines = [f"{label + ': ' if label else ''}{s['completed']}/{s['num_requests']} requests completed "
              f"({s['failed']} failed, {s['rejected']} rejected) in {s['wall_s']:.1f} s: "
              f"{s['output_tok_s']:.1f} output tok/s, {s['requests_s']:.2f} req/s",
-             f"  TTFT p50 {ms(t['p50'])}, p90 {ms(t['p90'])}, p99 {ms(t['p99'])}; "
-             f"TBT p50 {ms(b['p50'])}, p90 {ms(b['p90'])}, p99 {ms(b['p99'])}"]
+             f"  TTFT median {ms(t['median'])}, p90 {ms(t['p90'])}, p99 {ms(t['p99'])}; "
+             f"TBT median {ms(b['median'])}, p90 {ms(b['p90'])}, p99 {ms(b['p99'])}"]
     slo = s["slo"]
     if a["both"] is not None:
         lines.append(f"  SLO attainment (TTFT <= {ms(slo['ttft_s'])}, p99 TBT <= {ms(slo['tbt_s'])}): "
                      + ", ".join(f"{k} {v:.0%}" for k, v in a.items() if v is not None))
-    if s.get("server_p50"):
+    if s.get("server_median"):
         lines.append("  server's own timing, median per request: " + ", ".join(
-            f"{k[:-2]} {ms(v)}" for k, v in s["server_p50"].items()))
+            f"{k[:-2]} {ms(v)}" for k, v in s["server_median"].items()))
     return "\n".join(lines)
 
 
@@ -291,7 +288,7 @@ def results_rows(results: Sequence[RequestResult]) -> list[dict]:
         row = {k: v for k, v in asdict(r).items() if k not in ("token_times_s", "token_ids", "server_timing")}
         tbt = r.tbt_s
         row.update(output_tokens=len(r.token_times_s), ttft_s=r.ttft_s,
-                   tbt_p99_s=float(np.percentile(tbt, 99)) if tbt else None,
+                   tbt_p99_s=_p99(tbt),
                    **{f"server_{k}": v for k, v in (r.server_timing or {}).items()})
         rows.append(row)
     return rows

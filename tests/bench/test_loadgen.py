@@ -17,8 +17,8 @@ import pytest
 
 from pp_runtime.bench.capacity import Probe, capacity_search, meets, poisson_specs, sim_probe
 from pp_runtime.config import load_config
-from pp_runtime.bench.loadgen import (RequestResult, ServerUnreachable, load_test, percentiles,
-                                      slo_attainment, summarize)
+from pp_runtime.bench.loadgen import (LATENCY_KEYS, RequestResult, ServerUnreachable, load_test,
+                                      slo_attainment, stats, summarize)
 from pp_runtime.core.workload import RequestSpec, workload_prompts
 
 
@@ -30,9 +30,9 @@ def result(i, sent, times, finish="length", **kw):
 # ---- figures, by hand --------------------------------------------------------------------
 def test_percentiles_interpolate_linearly():
     # 1..10: rank p/100 * 9 -> p50 = 5.5, p90 = 9.1, p99 = 9.91
-    assert percentiles(range(1, 11)) == pytest.approx({"p50": 5.5, "p90": 9.1, "p99": 9.91})
-    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
-    assert percentiles([3.0]) == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
+    assert stats(range(1, 11), LATENCY_KEYS) == pytest.approx({"median": 5.5, "p90": 9.1, "p99": 9.91})
+    assert stats([], LATENCY_KEYS) == {"median": None, "p90": None, "p99": None}
+    assert stats([3.0], LATENCY_KEYS) == {"median": 3.0, "p90": 3.0, "p99": 3.0}
 
 
 def test_ttft_tbt_and_slo_attainment_by_hand():
@@ -51,8 +51,8 @@ def test_ttft_tbt_and_slo_attainment_by_hand():
     assert s["output_tokens"] == 8 and s["output_tok_s"] == pytest.approx(2.0)
     assert s["requests_s"] == pytest.approx(0.75)
     # TTFTs 0.5, 0.2, 2.0 -> p50 0.5; gaps 0.1 x4, 1.0 -> p50 0.1, p90 0.64, p99 0.964
-    assert s["ttft_s"]["p50"] == pytest.approx(0.5)
-    assert [s["tbt_s"][k] for k in ("p50", "p90", "p99")] == pytest.approx([0.1, 0.64, 0.964])
+    assert s["ttft_s"]["median"] == pytest.approx(0.5)
+    assert [s["tbt_s"][k] for k in LATENCY_KEYS] == pytest.approx([0.1, 0.64, 0.964])
 
 
 def test_tokens_of_one_event_share_its_arrival():
@@ -164,7 +164,7 @@ def test_client_times_every_streamed_token_and_counts_rejections():
     assert c.status == 429 and not c.ok and "queue full" in c.error
     assert (s["completed"], s["failed"], s["rejected"], s["output_tokens"]) == (2, 1, 1, 8)
     assert s["slo_attainment"]["both"] == pytest.approx(2 / 3)
-    assert s["server_p50"]["bubble_s"] == 0.01
+    assert s["server_median"]["bubble_s"] == 0.01
 
 
 def test_unreachable_server_is_one_line_and_exit_2():
