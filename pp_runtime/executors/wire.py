@@ -93,30 +93,29 @@ def _path(loc: tuple) -> str:
 
 def _problem(exc: ValidationError, verb: str) -> str:
     """The first problem pydantic found, as "path: expected int, got str '3'"; a dataclass's
-    missing and unknown fields together."""
+    missing and unknown fields together, and how many items a tuple lacks."""
     errors = exc.errors(include_url=False)
-    first = errors[0]
-    loc, kind = first["loc"], first["type"]
-    if kind in ("missing", "unexpected_keyword_argument") and loc and isinstance(loc[-1], str):
-        where = loc[:-1]
-        unknown = [e["loc"][-1] for e in errors
-                   if e["type"] == "unexpected_keyword_argument" and e["loc"][:-1] == where]
-        missing = [e["loc"][-1] for e in errors if e["type"] == "missing" and e["loc"][:-1] == where]
-        return (f"{_path(where)}: fields do not match (unknown: {unknown or 'none'}, "
-                f"missing: {missing or 'none'})")
+    loc, kind, ctx = errors[0]["loc"], errors[0]["type"], errors[0].get("ctx") or {}
+
+    def last(of_kind: str) -> list:  # the fields or items of that kind beside the first
+        return [e["loc"][-1] for e in errors if e["type"] == of_kind and e["loc"][:-1] == loc[:-1]]
+
+    if kind in ("missing", "unexpected_keyword_argument") and isinstance(loc[-1], str):
+        return (f"{_path(loc[:-1])}: fields do not match (unknown: "
+                f"{last('unexpected_keyword_argument') or 'none'}, "
+                f"missing: {last('missing') or 'none'})")
     if kind == "missing":  # a tuple too short: one error per missing item
-        short = sum(e["type"] == "missing" and e["loc"][:-1] == loc[:-1] for e in errors)
-        return f"{_path(loc[:-1])}: expected {loc[-1] + short} items, got {loc[-1]}"
-    ctx = first.get("ctx") or {}
+        return f"{_path(loc[:-1])}: expected {loc[-1] + len(last('missing'))} items, got {loc[-1]}"
     if kind in ("too_long", "too_short"):
-        return f"{_path(loc)}: expected {ctx.get('max_length', '?')} items, got {ctx.get('actual_length', '?')}"
-    value = first["input"]
+        return (f"{_path(loc)}: expected {ctx.get('max_length', '?')} items, "
+                f"got {ctx.get('actual_length', '?')}")
+    value = errors[0]["input"]
     if "class_name" in ctx:
         wanted = ctx["class_name"]
     elif kind.endswith(("_type", "_parsing")):
         wanted = kind.rsplit("_", 1)[0]
     else:
-        wanted = first["msg"]
+        wanted = errors[0]["msg"]
     if verb == "cannot send":
         return f"{_path(loc)}: cannot send {type(value).__name__} {value!r:.80} as {wanted}"
     return f"{_path(loc)}: expected {wanted}, got {type(value).__name__} {value!r:.80}"
