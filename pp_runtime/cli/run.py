@@ -91,8 +91,9 @@ def what_runs(cfg: Config, args) -> str:
         where = f"127.0.0.1 ({how})"
     else:
         where = f"the Ray cluster at {rt.ray_address} (NCCL on GPUs, else gloo)"
+    from pp_runtime.executors.local_ray import start_log
     return (f"{ranks} as {p.tp * p.pp} Ray actor{'s' if p.tp * p.pp > 1 else ''} on {where}, "
-            f"{m.name} shapes with {weights} [{source}]")
+            f"{m.name} shapes with {weights} [{source}]; Ray's start-up output: {start_log()}")
 
 
 def run_prompt_args(args, seq_len: int) -> tuple[int, int, int]:

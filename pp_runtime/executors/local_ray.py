@@ -2,17 +2,65 @@
 process groups of their own (`own_process_group`), its token file owner-only
 (`owner_only_token`), and stopped with every process it started (`shutdown_ray`), so that
 nothing is left running or listening after a run, an interrupt or a failure
-(docs/errors.md). A Ray some other process started is never touched."""
+(docs/errors.md). A Ray some other process started is never touched. What Ray itself
+prints while it starts (its token-authentication warning, "Started a local Ray instance")
+goes to a log (`start_log`, named by `pp-runtime run`'s first line), not the terminal;
+its errors still reach the terminal (`output_to_log`)."""
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
+import sys
+import tempfile
 from pathlib import Path
 
 from pp_runtime.core.interrupt import deferred
 
 LOCAL_METRICS_INTERVAL_MS = 2000  # a local Ray's metrics reach /metrics within ~2 s (Ray: 10 s)
+
+
+def start_log() -> Path:
+    """Where this process's `start_ray` writes Ray's own start-up output (one per process:
+    the first line of `pp-runtime run` names it before Ray starts)."""
+    return Path(tempfile.gettempdir()) / f"pp_runtime-ray-start-{os.getpid()}.log"
+
+
+_ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL|FATAL|Traceback)\b|^[EF]\d{4} ")  # logging, glog
+
+
+@contextlib.contextmanager
+def output_to_log(path: Path):
+    """Inside the block, everything written to this process's stderr and stdout (Python's
+    loggers, C++ glog lines, the processes started in it) goes to `path`, appended. After
+    it, the log's error lines are echoed to stderr; on an exception, its last 40 lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = path.stat().st_size if path.exists() else 0
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    failed = True
+    try:
+        with open(path, "ab") as log:
+            for fd in saved:
+                os.dup2(log.fileno(), fd)
+        yield path
+        failed = False
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        for fd, old in saved.items():
+            os.dup2(old, fd)
+            os.close(old)
+        with contextlib.suppress(OSError):
+            with open(path, "rb") as log:
+                log.seek(start)
+                lines = log.read().decode(errors="replace").splitlines()
+            shown = lines[-40:] if failed else [ln for ln in lines if _ERROR_LINE.search(ln)]
+            if shown:
+                print(f"Ray's start-up log ({path}):", *shown, sep="\n", file=sys.stderr, flush=True)
 
 
 def shutdown_ray() -> None:
@@ -65,7 +113,7 @@ def start_ray(address: str | None, workers: int) -> None:
 
     # Ctrl-C / SIGTERM wait for ray.init to return: an interrupt raised in one of its fork
     # hooks would be lost; and the SIGTERM handler it replaces comes back (core/interrupt.py)
-    with deferred():
+    with deferred(), output_to_log(start_log()):
         if address is not None:
             ray.init(address=address, log_to_driver=True)
             return

@@ -1,5 +1,6 @@
 """The command line: the README's main job, a small config, and clean errors."""
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -23,6 +24,11 @@ def test_run_without_arguments_is_a_two_stage_ray_pipeline(tmp_path):
     assert lines[0].startswith("2 pipeline stages as 2 Ray actors on 127.0.0.1 (gloo, CPU")
     assert "gpt2-small shapes with random weights" in lines[0]
     assert "on ray (2 actors, gloo)" in lines[1] and "pp=2" in lines[1]
+    # Ray's own start-up lines (token authentication, "Started a local Ray instance") are in
+    # the log the first line names, not before our lines
+    log = Path(lines[0].rsplit("Ray's start-up output: ", 1)[1])
+    assert "Started a local Ray instance" in log.read_text()
+    assert "Token authentication" not in r.stderr and "Started a local Ray" not in r.stderr
     s = json.loads((tmp_path / "report.json").read_text())["summary"]
     assert s["executor"] == "ray" and s["deployment"]["pp"] == 2 and s["deployment"]["tp"] == 1
     assert s["deployment"]["model"] == "gpt2-small"
