@@ -133,7 +133,7 @@ def test_the_agent_refuses_what_it_cannot_bind(argv, reason):
 
 
 def test_the_agent_refuses_a_worker_side_bootstrap_store(monkeypatch):
-    from pp_runtime.launch import agent
+    from pp_runtime.cli import agent
 
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     monkeypatch.setattr(agent, "patch_torch", lambda: pytest.fail("went on"))
