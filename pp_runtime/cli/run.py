@@ -63,16 +63,13 @@ def run_arrivals(args, n: int, seed: int) -> tuple[list[float] | None, float | N
     return [float(a) for a in poisson_arrivals(np.random.default_rng(seed), qps, n)], qps
 
 
-def has_gpus(n: int) -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.device_count() >= n
-
-
 def what_runs(cfg: Config, args) -> str:
-    """One line, printed before anything starts: processes, where, transport, weights."""
+    """One line, printed before anything starts: processes, where, transport, weights
+    (executor and device as `executors.resolve` decides them for `make_executor`)."""
+    from pp_runtime.executors import resolve
+
     m, p, rt = cfg.model, cfg.parallel, cfg.runtime
-    executor = rt.executor if rt.executor != "auto" else ("ray" if p.tp * p.pp > 1 else "local")
+    executor, device = resolve(cfg)
     ranks = f"{p.pp} pipeline stage{'s' if p.pp > 1 else ''}"
     ranks += f" x {p.tp} TP ranks" if p.tp > 1 else ""
     weights = f"weights from {args.checkpoint}" if args.checkpoint else "random weights"
@@ -81,12 +78,10 @@ def what_runs(cfg: Config, args) -> str:
               f"config {args.config}" if args.config else
               f"config {RUN_DEFAULT_CONFIG}, the default; --config default runs in this process")
     if executor != "ray":
-        device = rt.device if rt.device != "auto" else ("cuda" if has_gpus(1) else "cpu")
         return f"{ranks} in this process ({device}), {m.name} shapes with {weights} [{source}]"
-    if rt.ray_address is None:  # a local Ray: the executor uses GPUs if there is one per worker
-        gpus = rt.device.startswith("cuda") or (rt.device == "auto" and has_gpus(p.tp * p.pp))
+    if device is not None:  # a Ray started here
         threads = rt.threads_per_worker
-        how = ("NCCL, one GPU each" if gpus else "gloo, CPU" + (
+        how = ("NCCL, one GPU each" if device.startswith("cuda") else "gloo, CPU" + (
             f", {threads} torch thread{'s' if threads != 1 else ''} each" if threads else ""))
         where = f"127.0.0.1 ({how})"
     else:

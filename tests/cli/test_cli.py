@@ -120,3 +120,43 @@ def test_a_config_and_a_checkpoint_compose(tmp_path):
     prompts = [[rng.randrange(300) for _ in range(20)] for _ in range(3)]
     outs = [json.loads(line) for line in (tmp_path / "workload" / "outputs.jsonl").read_text().splitlines()]
     assert [o["token_ids"] for o in outs] == [hf_greedy(model, p, 4) for p in prompts]
+
+
+@pytest.mark.parametrize("sets, gpus, want", [
+    ({}, 0, ("local", "cpu")), ({}, 1, ("local", "cuda")),
+    ({"executor": "local", "device": "cpu"}, 4, ("local", "cpu")),
+    ({"pp": 2}, 1, ("ray", "cpu")),  # a GPU for each of 2 workers, or none
+    ({"pp": 2}, 2, ("ray", "cuda")), ({"pp": 2, "device": "cpu"}, 2, ("ray", "cpu")),
+    ({"pp": 2, "ray_address": "10.0.0.1:6379"}, 0, ("ray", None)),  # the cluster decides
+])
+def test_one_decision_for_executor_and_device(sets, gpus, want, monkeypatch):
+    """`executors.resolve` decides; `run`'s first line says what it decided, and
+    `make_executor` starts what it names."""
+    import argparse
+
+    from pp_runtime import executors
+    from pp_runtime.cli.run import what_runs
+    from pp_runtime.config import load_config
+
+    cfg = load_config("tiny", **sets)
+    assert executors.resolve(cfg, gpus) == want
+    monkeypatch.setattr(executors, "local_gpus", lambda: gpus)
+    line = what_runs(cfg, argparse.Namespace(config="tiny", checkpoint=None))
+    where = {("local", "cpu"): "in this process (cpu)", ("local", "cuda"): "in this process (cuda)",
+             ("ray", "cpu"): "Ray actors on 127.0.0.1 (gloo, CPU",
+             ("ray", "cuda"): "Ray actors on 127.0.0.1 (NCCL, one GPU each)",
+             ("ray", None): "on the Ray cluster at 10.0.0.1:6379"}[want]
+    assert where in line, line
+
+
+def test_make_executor_starts_what_resolve_names(monkeypatch):
+    from pp_runtime import executors
+    from pp_runtime.config import ConfigError, load_config
+
+    cfg = load_config("tiny", device="cpu")
+    ex = executors.make_executor(cfg)
+    assert ex.name == executors.resolve(cfg)[0] == "local"
+    ex.shutdown()
+    monkeypatch.setattr(executors, "resolve", lambda cfg, gpus=None: ("torchrun", "cpu"))
+    with pytest.raises(ConfigError, match="torchrun runs inside torchrun"):
+        executors.make_executor(cfg)
