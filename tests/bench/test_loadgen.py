@@ -8,7 +8,6 @@ simulator's capacity search on the tiny config; and one run against a real
 """
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pp_runtime.config import load_config
 from pp_runtime.bench.loadgen import (LATENCY_KEYS, RequestResult, ServerUnreachable, load_test,
                                       slo_attainment, stats, summarize)
 from pp_runtime.core.workload import RequestSpec, workload_prompts
+from ports import free_port
 
 
 def result(i, sent, times, finish="length", **kw):
@@ -140,12 +140,6 @@ def fake_server():
     thread.start()
     started.wait(10)
     return f"http://127.0.0.1:{port}", lambda: (loop.call_soon_threadsafe(loop.stop), thread.join(10))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_client_times_every_streamed_token_and_counts_rejections():

@@ -12,13 +12,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+from ports import free_port
 
 pytestmark = pytest.mark.slurm
 
@@ -48,12 +49,6 @@ def install_slurm() -> None:
                        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
     if r.returncode != 0 or not all(which(b) for b in BINARIES):
         pytest.skip(f"could not install Slurm ({APT_INSTALL}): {(r.stderr or r.stdout)[-500:]}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slurm_conf(d: Path) -> str:

@@ -24,22 +24,17 @@ from pp_runtime.core.errors import ConfigError, WorkerFailed  # noqa: E402
 from pp_runtime.executors.ray_executor import ray_device  # noqa: E402
 from pp_runtime.engine.llm import run_workload  # noqa: E402
 from pp_runtime.telemetry.report import build_report  # noqa: E402
+from ports import free_port  # noqa: E402
 
 PLAN = dict(chunk_size=16, max_batch_size=4, tile_size=16, threads_per_worker=1)
 PROMPTS = [[(7 * i + 3 * j) % 290 + 1 for j in range(n)] for i, n in enumerate((37, 9, 52, 20, 3))]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
     # the dashboard serves the state API (`ray list actors`, `list_tasks`); 127.0.0.1 only
     ctx = ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-                   dashboard_port=_free_port(), _node_ip_address="127.0.0.1", log_to_driver=False)
+                   dashboard_port=free_port(), _node_ip_address="127.0.0.1", log_to_driver=False)
     yield f"http://{ctx.dashboard_url}"
     ray.shutdown()
 

@@ -20,7 +20,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import types
@@ -34,6 +33,7 @@ import pytest  # noqa: E402
 import yaml  # noqa: E402
 
 from pp_runtime.telemetry.metrics import SPECS, Metric  # noqa: E402
+from ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs" / "grafana" / "pp_runtime.json"
@@ -74,12 +74,6 @@ def doc_queries() -> list[tuple[str, str]]:
 
 # ---- Prometheus ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _prometheus_binary() -> str | None:
     """`prometheus` on PATH; installed from Debian only as root with PP_INSTALL_PROMETHEUS=1."""
     found = shutil.which("prometheus")
@@ -108,7 +102,7 @@ class Prometheus:
     """A prometheus process on 127.0.0.1 scraping one target every second."""
 
     def __init__(self, binary: str, target: str, workdir: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
                   "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": [target]}]}]}
@@ -180,9 +174,9 @@ def scraped(tmp_path_factory):
 
     if ray.is_initialized():  # another module's Ray: this one must hold only this run's series
         ray.shutdown()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=_free_port(), _metrics_export_port=metrics_port,
+             dashboard_port=free_port(), _metrics_export_port=metrics_port,
              _node_ip_address="127.0.0.1", log_to_driver=False,
              _system_config={"metrics_report_interval_ms": 1000})
     prom = Prometheus(binary, f"127.0.0.1:{metrics_port}", tmp_path_factory.mktemp("prometheus"))

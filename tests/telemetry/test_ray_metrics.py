@@ -4,7 +4,6 @@ export port of a Ray started on 127.0.0.1, with the same per-stage seconds as it
 import json
 import os
 import re
-import socket
 import sys
 import time
 import types
@@ -21,6 +20,7 @@ from pp_runtime.core.request import FinishReason, Request, SamplingParams  # noq
 from pp_runtime.telemetry.bubbles import account  # noqa: E402
 from pp_runtime.telemetry.metrics import (SPECS, Kind, Metric, NullSink, RuntimeMetrics,  # noqa: E402
                                           default_sink)
+from ports import free_port  # noqa: E402
 
 
 class MemorySink:
@@ -213,20 +213,15 @@ def test_grafana_dashboard_queries_every_exported_series_and_nothing_else():
 
 # ---- a real Ray run ---------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ray_metrics_port():
     """A new local Ray with its dashboard, every port on 127.0.0.1 (`address="local"`: never
     a `ray start` head that happens to run here); yields the metrics port."""
     ray = pytest.importorskip("ray")
-    port = _free_port()
+    port = free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=_free_port(), _metrics_export_port=port,
+             dashboard_port=free_port(), _metrics_export_port=port,
              _node_ip_address="127.0.0.1", log_to_driver=False)
     yield port
     ray.shutdown()
