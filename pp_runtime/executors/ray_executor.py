@@ -249,23 +249,25 @@ class RayExecutor(CompiledGraphPath):
         """ray.get of one ref per actor (rank order), failing fast on the first error and
         naming the rank that died, raised or hung."""
         ray, pending, deadline = self.ray, list(refs), time.monotonic() + timeout_s
+        index, results = {ref: i for i, ref in enumerate(refs)}, [None] * len(refs)
         while pending:
             ready, pending = self._wait(pending, deadline)
             if not ready:
                 break
+            i = index[ready[0]]
             try:
-                ray.get(ready[0])
+                results[i] = ray.get(ready[0])  # each result fetched once, as it comes
             except Exception as exc:  # RayActorError (died), RayTaskError (raised)
                 cause = getattr(exc, "cause", None)  # a RayTaskError's original exception
                 if isinstance(cause, (CheckpointError, ConfigError)):  # the user's to fix
-                    raise type(cause)(f"{self._name(refs.index(ready[0]))}: {cause}") from exc
-                raise WorkerFailed(f"{self._name(refs.index(ready[0]))} failed during {what}: "
+                    raise type(cause)(f"{self._name(i)}: {cause}") from exc
+                raise WorkerFailed(f"{self._name(i)} failed during {what}: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
         if pending:
-            first = min(refs.index(r) for r in pending)
+            first = min(index[r] for r in pending)
             raise WorkerFailed(f"{self._name(first)} did not finish {what} within {timeout_s:g} s "
                                f"(runtime.step_timeout_s / startup_timeout_s)")
-        return ray.get(list(refs))
+        return results
 
     def _wait(self, pending: list, deadline: float) -> tuple[list, list]:
         """ray.wait for one of `pending` until `deadline`, in slices while a cancel event is
