@@ -11,10 +11,10 @@ activations is the transfer (`Op.TRANSFER`). A blocking receive alone would mix 
 The header also checks that both sides agree on which micro-batch this is. A slice of at
 most `ONE_MESSAGE_BYTES` (a decode micro-batch's) travels in the header's own message
 (`[8 header bytes | slice bytes]`, one uint8 buffer): one send and one receive instead of
-two, whose second round trip cost more than the bytes (~1.7 ms a receive on two shared
-cores, docs/distributed.md); its transfer is then inside the wait, the TRANSFER span only
-the check and the all-gather. Both sides decide from the micro-batch's token count. On the sending
-side, the time blocked until the next stage took the previous send is back-pressure
+two, whose second round trip cost more than the bytes (1.2-1.9 ms a receive on two
+shared cores, docs/distributed.md); its transfer is then inside the wait, the TRANSFER
+span only the check and the all-gather. Both sides decide from the micro-batch's token
+count. On the sending side, the time blocked until the next stage took the previous send is back-pressure
 (`Op.SEND_WAIT`). The caller's `SpanRecord` takes the spans (`telemetry/timer.py`):
 
 - gloo (CPU): every wait blocks the host; spans are host times.
