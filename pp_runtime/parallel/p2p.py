@@ -14,8 +14,8 @@ most `ONE_MESSAGE_BYTES` (a decode micro-batch's) travels in the header's own me
 two, whose second round trip cost more than the bytes (1.2-1.9 ms a receive on two
 shared cores, docs/distributed.md); its transfer is then inside the wait, the TRANSFER
 span only the check and the all-gather. Both sides decide from the micro-batch's token
-count. On the sending side, the time blocked until the next stage took the previous send is back-pressure
-(`Op.SEND_WAIT`). The caller's `SpanRecord` takes the spans (`telemetry/timer.py`):
+count. On the sending side, the time blocked until the next stage took the previous send
+is back-pressure (`Op.SEND_WAIT`). The caller's `SpanRecord` takes the spans (`telemetry/timer.py`):
 
 - gloo (CPU): every wait blocks the host; spans are host times.
 - NCCL (GPU): `recv`, `all_gather` and a send's `work.wait()` return at once and make the
