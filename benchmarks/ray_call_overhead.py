@@ -1,7 +1,8 @@
 """The host cost of reaching every stage actor once per micro-batch, without the model:
-one Ray task per actor (`ray.put` + `.remote()` on each + `ray.get`, what the Ray executor
-does by default) against one Ray Compiled Graph execution (`runtime.compiled_graph`),
-one at a time and with 3 in flight. Empty calls on CPU actors on 127.0.0.1.
+one Ray task per actor (`.remote(mb)` on each, the plan inlined, then `ray.get`: what the
+Ray executor does by default; and with one `ray.put` of the plan first, as it did before
+issue 23) against one Ray Compiled Graph execution (`runtime.compiled_graph`), one at a
+time and with 3 in flight. Calls that only read the plan's id, CPU actors on 127.0.0.1.
 
     python benchmarks/ray_call_overhead.py [--actors 3] [--calls 300]
 """
@@ -16,11 +17,20 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray o
 import ray  # noqa: E402
 from ray.dag import InputNode, MultiOutputNode  # noqa: E402
 
+from pp_runtime.batch import MicroBatch, Sampling, SeqChunk  # noqa: E402
+
 
 @ray.remote(num_cpus=0)
 class Stage:
     def execute(self, mb):
-        return mb
+        return mb.mb_id
+
+
+def plan(k: int) -> MicroBatch:
+    """A decode micro-batch of 4 sequences, 17 blocks each (the tiny config's shape)."""
+    greedy = Sampling(0.0, 1.0, 0)
+    return MicroBatch(k, tuple(SeqChunk(r, list(range(17 * r, 17 * r + 17)), 100, (5,), greedy,
+                                        is_decode=True) for r in range(4)))
 
 
 def main() -> None:
@@ -31,33 +41,39 @@ def main() -> None:
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False)
     actors = [Stage.remote() for _ in range(args.actors)]
-    ray.get([a.execute.remote(0) for a in actors])
+    ray.get([a.execute.remote(plan(0)) for a in actors])
     t0 = time.perf_counter()
     for k in range(args.calls):
-        ref = ray.put(k)
+        ref = ray.put(plan(k))
         ray.get([a.execute.remote(ref) for a in actors])
+    put = (time.perf_counter() - t0) / args.calls
+    t0 = time.perf_counter()
+    for k in range(args.calls):  # what the Ray executor does: the plan by value, inlined
+        mb = plan(k)
+        ray.get([a.execute.remote(mb) for a in actors])
     tasks = (time.perf_counter() - t0) / args.calls
     with InputNode() as inp:
         dag = MultiOutputNode([a.execute.bind(inp) for a in actors]).experimental_compile(
             _max_inflight_executions=4)
     for k in range(10):
-        ray.get(dag.execute(k))
+        ray.get(dag.execute(plan(k)))
     t0 = time.perf_counter()
     for k in range(args.calls):
-        ray.get(dag.execute(k))
+        ray.get(dag.execute(plan(k)))
     one = (time.perf_counter() - t0) / args.calls
     t0 = time.perf_counter()
-    refs = [dag.execute(k) for k in range(3)]
+    refs = [dag.execute(plan(k)) for k in range(3)]
     for k in range(3, args.calls):
         ray.get(refs.pop(0))
-        refs.append(dag.execute(k))
+        refs.append(dag.execute(plan(k)))
     for r in refs:
         ray.get(r)
     three = (time.perf_counter() - t0) / args.calls
     dag.teardown()
     ray.shutdown()
     print(f"{args.actors} actors, {args.calls} micro-batches: one Ray task per actor "
-          f"{tasks * 1e3:.2f} ms per micro-batch; compiled graph {one * 1e3:.2f} ms "
+          f"{tasks * 1e3:.2f} ms per micro-batch ({put * 1e3:.2f} ms with one ray.put of the "
+          f"plan); compiled graph {one * 1e3:.2f} ms "
           f"({tasks / one:.1f}x), {three * 1e3:.2f} ms with 3 in flight")
 
 

@@ -10,11 +10,12 @@ Each actor is given that device; Ray shows an actor with `num_gpus=1` only its o
 as cuda:0, so `device: cuda:N` is rejected. After the process groups are up every rank
 warms its communicators up (`parallel/p2p.warm_up`) before the first micro-batch.
 
-For every micro-batch the driver puts the `MicroBatch` in Ray's object store once and
-submits `execute(ref)` to every actor in rank order. With `runtime.compiled_graph` (opt-in,
-docs/distributed.md) every rank's `execute` is joined into one Ray Compiled Graph instead
-(`ray.dag`, `experimental_compile`): a micro-batch is one `dag.execute(mb)` that reaches
-every actor through the graph's channels. Either way an actor runs its micro-batches in submission order, so
+For every micro-batch the driver submits `execute(mb)` to every actor in rank order, the
+`MicroBatch` by value (inlined in each task: cheaper than one `ray.put` at this size).
+With `runtime.compiled_graph` (opt-in, docs/distributed.md) every rank's `execute` is
+joined into one Ray Compiled Graph instead (`ray.dag`, `experimental_compile`): a
+micro-batch is one `dag.execute(mb)` that reaches every actor through the graph's
+channels. Either way an actor runs its micro-batches in submission order, so
 point-to-point pairs always match and up to `in_flight` micro-batches overlap in the
 pipeline (activations go between stages over torch.distributed, not through the graph).
 `wait` collects one result per actor: token ids from TP rank 0 of the last stage, a
@@ -220,8 +221,9 @@ class RayExecutor(CompiledGraphPath):
                 return mb.mb_id, self.dag.execute(mb)  # one ref per rank
             except Exception as exc:  # the graph is broken: a rank died
                 raise self._graph_failure(exc, f"micro-batch {mb.mb_id}") from exc
-        ref = self.ray.put(mb)  # pickled once; every actor reads the same object
-        return mb.mb_id, [self._call(i, "execute", ref) for i in range(len(self.actors))]
+        # by value: Ray inlines an argument under 100 KiB in each task (a plan is ~10 bytes
+        # a token), where a `ray.put` cost ~3.5 ms more per micro-batch (docs/distributed.md)
+        return mb.mb_id, [self._call(i, "execute", mb) for i in range(len(self.actors))]
 
     def wait(self, handle: tuple[int, list]) -> SampledTokens:
         mb_id, refs = handle
@@ -249,23 +251,25 @@ class RayExecutor(CompiledGraphPath):
         """ray.get of one ref per actor (rank order), failing fast on the first error and
         naming the rank that died, raised or hung."""
         ray, pending, deadline = self.ray, list(refs), time.monotonic() + timeout_s
+        index, results = {ref: i for i, ref in enumerate(refs)}, [None] * len(refs)
         while pending:
             ready, pending = self._wait(pending, deadline)
             if not ready:
                 break
+            i = index[ready[0]]
             try:
-                ray.get(ready[0])
+                results[i] = ray.get(ready[0])  # each result fetched once, as it comes
             except Exception as exc:  # RayActorError (died), RayTaskError (raised)
                 cause = getattr(exc, "cause", None)  # a RayTaskError's original exception
                 if isinstance(cause, (CheckpointError, ConfigError)):  # the user's to fix
-                    raise type(cause)(f"{self._name(refs.index(ready[0]))}: {cause}") from exc
-                raise WorkerFailed(f"{self._name(refs.index(ready[0]))} failed during {what}: "
+                    raise type(cause)(f"{self._name(i)}: {cause}") from exc
+                raise WorkerFailed(f"{self._name(i)} failed during {what}: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
         if pending:
-            first = min(refs.index(r) for r in pending)
+            first = min(index[r] for r in pending)
             raise WorkerFailed(f"{self._name(first)} did not finish {what} within {timeout_s:g} s "
                                f"(runtime.step_timeout_s / startup_timeout_s)")
-        return ray.get(list(refs))
+        return results
 
     def _wait(self, pending: list, deadline: float) -> tuple[list, list]:
         """ray.wait for one of `pending` until `deadline`, in slices while a cancel event is

@@ -8,9 +8,14 @@ their buffers from the micro-batch (T tokens), so no shape message is needed.
 A one-element header (the micro-batch id) goes first: the time until it arrives is the
 wait for the previous stage (a bubble, `Op.RECV_WAIT`), the time from it to the gathered
 activations is the transfer (`Op.TRANSFER`). A blocking receive alone would mix the two.
-The header also checks that both sides agree on which micro-batch this is. On the sending
-side, the time blocked until the next stage took the previous send is back-pressure
-(`Op.SEND_WAIT`). The caller's `SpanRecord` takes the spans (`telemetry/timer.py`):
+The header also checks that both sides agree on which micro-batch this is. A slice of at
+most `ONE_MESSAGE_BYTES` (a decode micro-batch's) travels in the header's own message
+(`[8 header bytes | slice bytes]`, one uint8 buffer): one send and one receive instead of
+two, whose second round trip cost more than the bytes (1.2-1.9 ms a receive on two
+shared cores, docs/distributed.md); its transfer is then inside the wait, the TRANSFER
+span only the check and the all-gather. Both sides decide from the micro-batch's token
+count. On the sending side, the time blocked until the next stage took the previous send
+is back-pressure (`Op.SEND_WAIT`). The caller's `SpanRecord` takes the spans (`telemetry/timer.py`):
 
 - gloo (CPU): every wait blocks the host; spans are host times.
 - NCCL (GPU): `recv`, `all_gather` and a send's `work.wait()` return at once and make the
@@ -32,6 +37,9 @@ from pp_runtime.core.batch import MicroBatch
 from pp_runtime.parallel.groups import StageGroups
 from pp_runtime.telemetry.timer import Op, SpanRecord
 
+ONE_MESSAGE_BYTES = 64 << 10  # a slice up to this size rides in the header's message
+HEADER_BYTES = 8  # the micro-batch id, one int64
+
 
 class StageLink:
     def __init__(self, groups: StageGroups, hidden: int, dtype: torch.dtype, device: torch.device):
@@ -41,19 +49,25 @@ class StageLink:
 
     def recv(self, mb: MicroBatch, rec: SpanRecord) -> torch.Tensor:
         """The previous stage's activations [T, hidden]; spans RECV_WAIT and TRANSFER."""
-        header = torch.empty(1, dtype=torch.long, device=self.device)
+        nbytes = mb.num_tokens * self.width * self.dtype.itemsize
+        one = nbytes <= ONE_MESSAGE_BYTES
+        buf = torch.empty(HEADER_BYTES + (nbytes if one else 0), dtype=torch.uint8,
+                          device=self.device)  # [8 (+ slice bytes)]
         with rec.span(Op.RECV_WAIT):
-            dist.recv(header, src=self.g.prev_rank)
+            dist.recv(buf, src=self.g.prev_rank)
         with rec.span(Op.TRANSFER):  # starts where the wait ended, on host and stream alike
-            if (got := int(header.item())) != mb.mb_id:
+            if (got := int(buf[:HEADER_BYTES].view(torch.long).item())) != mb.mb_id:
                 raise RuntimeError(f"stage {self.g.stage} tp rank {self.g.tp_rank}: expected "
                                    f"micro-batch {mb.mb_id}, the previous stage sent {got}")
-            part = torch.empty(mb.num_tokens, self.width, dtype=self.dtype,
-                               device=self.device)  # [T, hidden / tp]
-            dist.recv(part, src=self.g.prev_rank)
+            if one:
+                part = buf[HEADER_BYTES:].view(self.dtype).view(mb.num_tokens, self.width)
+            else:
+                part = torch.empty(mb.num_tokens, self.width, dtype=self.dtype,
+                                   device=self.device)  # [T, hidden / tp]
+                dist.recv(part, src=self.g.prev_rank)
             if self.g.tp > 1:
                 parts = [torch.empty_like(part) for _ in range(self.g.tp)]
-                dist.all_gather(parts, part, group=self.g.tp_group)
+                dist.all_gather(parts, part.contiguous(), group=self.g.tp_group)
                 return torch.cat(parts, dim=1)  # [T, hidden]
             return part
 
@@ -64,9 +78,16 @@ class StageLink:
         that wait is the SEND_WAIT span: back-pressure from the next stage."""
         with rec.span(Op.SEND_WAIT):
             self.flush()
-        part = hidden.narrow(1, self.g.tp_rank * self.width, self.width).contiguous()  # [T, hidden / tp]
-        header = torch.full((1,), mb.mb_id, dtype=torch.long, device=self.device)  # no host copy
-        for t in (header, part):
+        part = hidden.narrow(1, self.g.tp_rank * self.width, self.width)  # [T, hidden / tp]
+        nbytes = part.numel() * part.element_size()
+        one = nbytes <= ONE_MESSAGE_BYTES
+        buf = torch.empty(HEADER_BYTES + (nbytes if one else 0), dtype=torch.uint8,
+                          device=self.device)  # [8 (+ slice bytes)]
+        buf[:HEADER_BYTES].view(torch.long).fill_(mb.mb_id)  # no host copy on CUDA
+        if one:
+            buf[HEADER_BYTES:].view(part.dtype).view(part.shape).copy_(part)
+        msgs = (buf,) if one else (buf, part.contiguous())
+        for t in msgs:
             self._pending.append((dist.isend(t, dst=self.g.next_rank), t))
 
     def flush(self) -> None:

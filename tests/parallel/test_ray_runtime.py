@@ -2,7 +2,7 @@
 
 Greedy generation on TP2 x PP2 and PP2 must equal single-process generation token for
 token, with chunked prefills and piggybacked decodes in the micro-batches, after every
-stage pair and TP group warmed its communicators up, with one `ray.put` per micro-batch;
+stage pair and TP group warmed its communicators up, each plan sent by value (no `ray.put`);
 a killed or hung actor must end the run with an error naming it, within a bounded time;
 the device is decided once on the driver, and `device: cuda:N` is refused; every actor and
 its calls carry their stage and TP rank in the dashboard's state API."""
@@ -56,19 +56,27 @@ def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, graph, 
     family, _, path = hf_checkpoint
     reference, _, ex = generate(path, executor="local", pp=1)
     assert ex.name == "local"
-    put, puts = ray.put, []
-    monkeypatch.setattr(ray, "put", lambda obj, **kw: (puts.append(obj), put(obj, **kw))[1])
+    from pp_runtime.executors.ray_executor import RayExecutor
+
+    put, stored, puts = ray.put, [], []
+    monkeypatch.setattr(ray, "put", lambda obj, **kw: (stored.append(obj), put(obj, **kw))[1])
     execute = CompiledDAG.execute  # the compiled graph: one execute per micro-batch, for all ranks
     monkeypatch.setattr(CompiledDAG, "execute", lambda dag, mb: (puts.append(mb), execute(dag, mb))[1])
+    call = RayExecutor._call  # tasks: one execute(mb) per actor, the plan by value
+    monkeypatch.setattr(RayExecutor, "_call", lambda ex, i, method, *args: (
+        method == "execute" and puts.append(args[0]), call(ex, i, method, *args))[1])
     tokens, mbs, ex = generate(path, tp=tp, pp=pp, compiled_graph=graph)
     assert ex.name == "ray"
     assert tokens == reference
     # the plans really mixed chunked prefills and piggybacked decodes
     assert any(mb.num_decodes and mb.num_prefill_tokens for mb in mbs)
     assert any(s.start > 0 and not s.is_decode for mb in mbs for s in mb.seqs)
-    # each micro-batch went to Ray once (its object store, or one graph execution) for all
-    # tp * pp actors
-    assert [mb.mb_id for mb in puts if isinstance(mb, MicroBatch)] == [mb.mb_id for mb in mbs]
+    # each micro-batch went to Ray as one graph execution for all tp * pp actors, or by value
+    # in one task per actor (inlined: never through the object store)
+    per = 1 if graph else tp * pp
+    assert [mb.mb_id for mb in puts if isinstance(mb, MicroBatch)] == [
+        mb.mb_id for mb in mbs for _ in range(per)]
+    assert not [obj for obj in stored if isinstance(obj, MicroBatch)]
     # before the first micro-batch: one all-reduce per TP group, one exchange per stage pair
     assert ex.warm_ups == [
         [f"all_reduce tp={tp}"] + ([f"recv from {r - tp}"] if r >= tp else [])
