@@ -49,16 +49,18 @@ RUN_COLORS = plt.get_cmap("tab10").colors
 
 
 def read_csv(path: Path) -> dict[str, np.ndarray]:
-    """Columns of a CSV file: numeric where every value parses (empty = nan), else strings."""
+    """Columns of a CSV file (`csv.DictReader`; a short row's missing cells are empty):
+    floats where numpy parses every value (empty or None = nan), else strings."""
     with open(path, newline="") as f:
-        rows = list(csv.reader(f))
+        reader = csv.DictReader(f, restval="")
+        names, rows = reader.fieldnames or [], list(reader)
     out = {}
-    for i, name in enumerate(rows[0] if rows else []):
-        vals = [r[i] if i < len(r) else "" for r in rows[1:]]
+    for name in names:
+        col = np.array([r[name] for r in rows], dtype=str)
         try:
-            out[name] = np.array([float(v) if v not in ("", "None") else np.nan for v in vals])
+            out[name] = np.where(np.isin(col, ("", "None")), "nan", col).astype(float)
         except ValueError:
-            out[name] = np.array(vals)
+            out[name] = col
     return out
 
 

@@ -203,3 +203,19 @@ def test_empty_run_directory_does_not_crash(tmp_path):
     run = write_run(tmp_path / "r", n_requests=0, zeros=0)
     _write_csv(run / "timeline.csv", TIMELINE, [])
     assert all(p.is_file() for p in plot_run(run))
+
+
+def test_read_csv_gives_numeric_and_string_columns(tmp_path):
+    """`csv` reads the cells (quotes, a comma inside one, a short row); numpy the numbers."""
+    path = tmp_path / "t.csv"
+    path.write_text('a,b,c\n1,x,"2,5"\n,y\n2.5,"z, w",None\n')
+    t = plots.read_csv(path)
+    assert set(t) == {"a", "b", "c"}
+    assert t["a"].dtype == float and np.isnan(t["a"][1]) and list(t["a"][[0, 2]]) == [1.0, 2.5]
+    assert list(t["b"]) == ["x", "y", "z, w"]
+    assert list(t["c"]) == ["2,5", "", "None"]  # not every value a number: strings
+    empty = tmp_path / "e.csv"
+    empty.write_text("")
+    assert plots.read_csv(empty) == {}
+    empty.write_text("a,b\n")
+    assert {k: len(v) for k, v in plots.read_csv(empty).items()} == {"a": 0, "b": 0}
