@@ -27,15 +27,15 @@ from pp_runtime.costmodel.measure import measure_profile  # noqa: E402
 
 def torchrun_rank(rank: int, world: int, cfg, profile: str, requests: int, port: int, out) -> None:
     """One torchrun-like rank: rank 0 calibrates through the torchrun executor (and puts
-    the result in `out`), the others serve its plans (`launch/torchrun.py`'s run_rank)."""
+    the result in `out`), the others serve its plans (`cli/torchrun.py`'s run_rank)."""
     import torch
     import torch.distributed as dist
 
     from pp_runtime.executors.torchrun_executor import ControlChannel, TorchrunExecutor, serve
-    from pp_runtime.launch.torchrun import keep_on_loopback
+    from pp_runtime.cli.torchrun import keep_on_loopback
     from pp_runtime.parallel.groups import destroy, stage_groups
     from pp_runtime.parallel.p2p import warm_up
-    from pp_runtime.worker import StageWorker
+    from pp_runtime.worker.stage import StageWorker
 
     torch.set_num_threads(cfg.runtime.threads_per_worker or 1)
     keep_on_loopback("127.0.0.1")

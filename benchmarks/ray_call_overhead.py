@@ -17,7 +17,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray o
 import ray  # noqa: E402
 from ray.dag import InputNode, MultiOutputNode  # noqa: E402
 
-from pp_runtime.batch import MicroBatch, Sampling, SeqChunk  # noqa: E402
+from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk  # noqa: E402
 
 
 @ray.remote(num_cpus=0)

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch
 
-from pp_runtime.batch import MicroBatch, SeqChunk
+from pp_runtime.core.batch import MicroBatch, SeqChunk
 from pp_runtime.costmodel.p2p import _reap
 from pp_runtime.parallel.groups import free_port
 from pp_runtime.parallel.p2p import ONE_MESSAGE_BYTES
