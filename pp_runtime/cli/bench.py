@@ -18,6 +18,8 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from pp_runtime.cli.common import non_negative_int, positive_float, positive_int
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -33,23 +35,23 @@ def add_parser(sub) -> None:
                     help="config whose workload (and, with --simulate, deployment) to use")
     sp.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a config field, e.g. --set workload.max_len=512")
-    sp.add_argument("--requests", type=int, help="workload.num_requests (per probe)")
-    sp.add_argument("--seed", type=int, help="workload.seed (lengths, arrivals, prompt ids)")
-    sp.add_argument("--qps", type=float, help="Poisson arrivals at this rate (workload.qps)")
+    sp.add_argument("--requests", type=positive_int, help="workload.num_requests (per probe)")
+    sp.add_argument("--seed", type=non_negative_int, help="workload.seed (lengths, arrivals, prompt ids)")
+    sp.add_argument("--qps", type=positive_float, help="Poisson arrivals at this rate (workload.qps)")
     sp.add_argument("--trace", help="a JSONL trace {arrival_s, prompt_len, output_len} per line")
-    sp.add_argument("--vocab-size", type=int,
+    sp.add_argument("--vocab-size", type=positive_int,
                     help="prompt token ids are drawn below this (default: the config's model)")
-    sp.add_argument("--tbt-slo", type=float, default=None, help="p99 time-between-tokens SLO, s")
-    sp.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO (median, in a search), s")
+    sp.add_argument("--tbt-slo", type=positive_float, default=None, help="p99 time-between-tokens SLO, s")
+    sp.add_argument("--ttft-slo", type=positive_float, default=None, help="TTFT SLO (median, in a search), s")
     sp.add_argument("--capacity", action="store_true",
                     help="search the highest QPS meeting the SLOs (needs --tbt-slo)")
-    sp.add_argument("--start-qps", type=float, default=1.0, help="the search's first probe")
-    sp.add_argument("--max-probes", type=int, default=8)
-    sp.add_argument("--rel-tol", type=float, default=0.1, help="stop bisecting at this gap")
-    sp.add_argument("--min-probe-s", type=float, default=4.0,
+    sp.add_argument("--start-qps", type=positive_float, default=1.0, help="the search's first probe")
+    sp.add_argument("--max-probes", type=positive_int, default=8)
+    sp.add_argument("--rel-tol", type=positive_float, default=0.1, help="stop bisecting at this gap")
+    sp.add_argument("--min-probe-s", type=positive_float, default=4.0,
                     help="no probe faster than its N requests arriving in this many s (a burst "
                          "says nothing about a sustained rate)")
-    sp.add_argument("--max-probe-s", type=float, default=120.0,
+    sp.add_argument("--max-probe-s", type=positive_float, default=120.0,
                     help="no probe slower than its N requests arriving in this many s")
     sp.add_argument("--simulate", action="store_true", help="probe the simulator, not a server")
     sp.add_argument("--out", help="output directory (default runs/bench-serve)")

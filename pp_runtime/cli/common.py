@@ -1,8 +1,13 @@
 """What every command shares: --config / --set / workload flags, the one way arguments
-become a `Config` (`config_from_args`), and the report a stopped run still writes."""
+become a `Config` (`config_from_args`), the one way a number flag is range-checked (argparse
+`type=` functions: `positive_int`, `positive_float`, ...; `Parser` prints what they reject
+as one `error: --flag: problem` line, exit 2), and the report a stopped run still writes."""
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,47 @@ RUN_DEFAULT_CONFIG = "cpu/gpt2_pp2"  # `run` and `serve` without --config / --ch
 # --requests and --seed are its prompts' count and sampling seed, not workload fields)
 FLAG_FIELDS = {"planner": "planner", "requests": "workload.num_requests",
                "seed": "workload.seed", "qps": "workload.qps"}
+
+
+# ---- number flags: checked as argparse parses them -----------------------------------------
+def number(kind: type, low: float, strict: bool = False, high: float | None = None):
+    """An argparse `type=` that parses `kind` (int or float) and checks low <= value (low <
+    value if strict, and <= high if given); argparse names the flag in the error."""
+    what = "a whole number" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:g}, got {text}")
+        return value
+    parse.__name__ = what  # argparse's "invalid <name> value" if ever reached
+    return parse
+
+
+positive_int = number(int, 1)
+non_negative_int = number(int, 0)
+positive_float = number(float, 0, strict=True)
+non_negative_float = number(float, 0)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose subcommands share it (`add_subparsers` builds them of this class): a
+    flag's bad value is one line, `error: --flag: problem`, and exit 2, as every other
+    bad input (docs/errors.md); other usage errors add argparse's usage line."""
+
+    def error(self, message: str):
+        if message.startswith("argument "):  # "argument --qps: must be >= 0, got -1"
+            message = message.removeprefix("argument ")
+        else:
+            self.print_usage(sys.stderr)
+        self.exit(2, f"error: {message}\n")
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -95,8 +141,8 @@ def add_config_args(sp, default: str = "built-in") -> None:
 
 def add_workload_args(sp) -> None:
     """--requests, --seed (workload fields), --out, --quiet: simulate, compare, run --workload."""
-    sp.add_argument("--requests", type=int, help="workload.num_requests")
-    sp.add_argument("--seed", type=int, help="workload.seed")
+    sp.add_argument("--requests", type=positive_int, help="workload.num_requests")
+    sp.add_argument("--seed", type=non_negative_int, help="workload.seed")
     sp.add_argument("--out", help="output directory (default: under runs/)")
     sp.add_argument("--quiet", action="store_true", help="no progress bar")
 

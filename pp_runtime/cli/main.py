@@ -22,6 +22,7 @@ import sys
 import traceback
 
 from pp_runtime.cli import bench, memory, plan, profile, run, serve, simulate
+from pp_runtime.cli.common import Parser
 from pp_runtime.config import CheckpointError, ConfigError
 from pp_runtime.core import interrupt
 from pp_runtime.core.driver import ExecutorFailed
@@ -30,11 +31,11 @@ from pp_runtime.core.request import InvalidRequestError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pp-runtime", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Exit codes: 0 done, 1 the run failed (a worker died), "
-                                       "2 bad input (the message names it), 130 / 143 "
-                                       "interrupted by Ctrl-C / SIGTERM. docs/errors.md")
+    p = Parser(prog="pp-runtime", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog="Exit codes: 0 done, 1 the run failed (a worker died), 2 bad input (the "
+                      "message names it), 130 / 143 interrupted by Ctrl-C / SIGTERM. "
+                      "docs/errors.md")
     p.add_argument("--debug", action="store_true",
                    help="show the Python traceback of an error (also PP_RUNTIME_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -54,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     # Python handler can be put back; its switch is read when ray is imported: set it first
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     with interrupt.handled():  # SIGTERM ends a command as Ctrl-C does (pp_runtime/core/interrupt.py)
-        args = build_parser().parse_args(argv)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help (0); a bad flag (2: one `error: --flag: ...` line)
+            return exc.code if isinstance(exc.code, int) else 2
         debug = args.debug or os.environ.get("PP_RUNTIME_DEBUG", "") not in ("", "0")
         try:
             return _run_command(args, debug)

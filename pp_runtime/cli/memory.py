@@ -2,8 +2,7 @@
 how many requests of the config's workload the KV cache holds."""
 from __future__ import annotations
 
-from pp_runtime.cli.common import add_config_args, config_from_args
-from pp_runtime.config import ConfigError
+from pp_runtime.cli.common import add_config_args, config_from_args, positive_float
 from pp_runtime.core.workload import generate as generate_workload
 from pp_runtime.costmodel.memory import kv_capacity, memory_plan
 
@@ -11,14 +10,12 @@ from pp_runtime.costmodel.memory import kv_capacity, memory_plan
 def add_parser(sub) -> None:
     mem = sub.add_parser("memory", help="the paper's max batch size B for a config")
     add_config_args(mem)
-    mem.add_argument("--device-memory-gb", type=float, default=None,
+    mem.add_argument("--device-memory-gb", type=positive_float, default=None,
                      help="memory of one device (default: cache.device_memory_gb of the config)")
     mem.set_defaults(func=cmd_memory)
 
 
 def cmd_memory(args) -> int:
-    if args.device_memory_gb is not None and not args.device_memory_gb > 0:
-        raise ConfigError(f"--device-memory-gb: must be > 0, got {args.device_memory_gb}")
     cfg = config_from_args(args)
     gb = args.device_memory_gb if args.device_memory_gb is not None else cfg.cache.device_memory_gb
     print(f"{cfg.model.name}: tp={cfg.parallel.tp} pp={cfg.parallel.pp}, "

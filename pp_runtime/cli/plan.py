@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from pp_runtime.cli.common import non_negative_int, number, positive_float, positive_int
 from pp_runtime.config import PLANNERS, Config, ConfigError
 
 WORKLOAD_HELP = ("a JSONL trace {arrival_s, prompt_len, output_len} per line (its lengths, at "
@@ -30,26 +31,26 @@ def add_parser(sub) -> None:
                                    "latency, write the winner as a config. docs/plan.md")
     p.add_argument("--model", required=True, help="a shipped model (gpt3-175b, llama2-70b, "
                                                   "gpt2-small, ...) or a model YAML")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU workers) in all")
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs (or CPU workers) in all")
     p.add_argument("--gpu", default="a100-80gb", help="a100-80gb | h100 | h200 | cpu (default a100-80gb)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="tp stays within a node (default 8)")
-    p.add_argument("--memory-gb", type=float, help="memory of one device (default: the GPU's; "
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="tp stays within a node (default 8)")
+    p.add_argument("--memory-gb", type=positive_float, help="memory of one device (default: the GPU's; "
                                                    "cpu: a quarter of the RAM shared by --gpus, at most 4)")
     p.add_argument("--profile", help="a directory from `pp-runtime profile` (what --gpu cpu prices)")
     p.add_argument("--workload", default=PAPER, help=WORKLOAD_HELP)
-    p.add_argument("--requests", type=int, default=200, help="requests per probe (default 200)")
-    p.add_argument("--ttft-slo", type=float, required=True, help="p99 time to first token, s")
-    p.add_argument("--tbt-slo", type=float, required=True, help="p99 time between tokens, s")
+    p.add_argument("--requests", type=number(int, 2), default=200, help="requests per probe (default 200)")
+    p.add_argument("--ttft-slo", type=positive_float, required=True, help="p99 time to first token, s")
+    p.add_argument("--tbt-slo", type=positive_float, required=True, help="p99 time between tokens, s")
     p.add_argument("--planners", default="uniform", help=f"comma-separated ({', '.join(PLANNERS)}; default uniform)")
     p.add_argument("--chunk-sizes", default="128,256,512,1024,2048", help="chunk sizes C to try")
-    p.add_argument("--budget-minutes", type=float, default=10.0, help="stop starting searches after this")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel processes (default: the cores)")
-    p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
-    p.add_argument("--validate", type=int, nargs="?", const=2, default=0, metavar="N",
+    p.add_argument("--budget-minutes", type=positive_float, default=10.0, help="stop starting searches after this")
+    p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, help="parallel processes (default: the cores)")
+    p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table")
+    p.add_argument("--validate", type=non_negative_int, nargs="?", const=2, default=0, metavar="N",
                    help="run the best of each of the top N layouts (default 2) and a reference "
                         "config for real on this machine's CPU pipeline: predicted / measured "
                         "capacity (small models, pp <= 2)")
-    p.add_argument("--validate-requests", type=int, default=32,
+    p.add_argument("--validate-requests", type=positive_int, default=32,
                    help="requests per real probe in --validate (default 32)")
     p.add_argument("--reference", default="cpu/gpt2_pp2", help="--validate also measures this config")
     p.add_argument("--out", default="runs/plan", help="output directory (default runs/plan)")
@@ -84,14 +85,6 @@ def base_config(args) -> Config:
     """The model, the device and the workload every candidate shares."""
     from pp_runtime.config import load_model_config
     from pp_runtime.costmodel.devices import device_spec
-    for name, value, low in (("--gpus", args.gpus, 1), ("--requests", args.requests, 2),
-                             ("--gpus-per-node", args.gpus_per_node, 1), ("--jobs", args.jobs, 1)):
-        if value < low:
-            raise ConfigError(f"{name}: must be >= {low}, got {value}")
-    for name, value in (("--ttft-slo", args.ttft_slo), ("--tbt-slo", args.tbt_slo),
-                        ("--budget-minutes", args.budget_minutes)):
-        if not value > 0:
-            raise ConfigError(f"{name}: must be > 0 seconds (minutes), got {value}")
     spec = device_spec(args.gpu, "--gpu") if args.gpu != "cpu" else None
     memory_gb = args.memory_gb or (spec.mem_gb if spec else _cpu_share_gb(args.gpus))
     model = load_model_config(args.model)

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from pp_runtime.cli.common import (RUN_DEFAULT_CONFIG, add_config_args, config_from_args,
-                                   report_kept, run_base_config, stopped_by)
+                                   non_negative_float, non_negative_int, positive_int, report_kept,
+                                   run_base_config, stopped_by)
 from pp_runtime.cli.simulate import run_to, workload_report
 from pp_runtime.config import Config, ConfigError
 from pp_runtime.costmodel.memory import kv_blocks, kv_cache_bytes
@@ -53,8 +54,6 @@ def run_arrivals(args, n: int, seed: int) -> tuple[list[float] | None, float | N
     """(arrival times of `run`'s n requests, their rate): Poisson at --qps (default: the main
     job's rate, else all at time 0; --qps 0: all at time 0), seeded by --seed."""
     qps = args.qps if args.qps is not None else (MAIN_JOB_QPS if is_main_job(args) else None)
-    if qps is not None and qps < 0:
-        raise ConfigError(f"--qps: must be >= 0 (0: every request at once), got {qps}")
     if not qps:
         return None, None
     import numpy as np
@@ -95,15 +94,12 @@ def run_prompt_args(args, seq_len: int) -> tuple[int, int, int]:
     """`run`'s requests and prompt lengths (n, shortest, longest), checked against each
     other and the context before anything starts. Unset lengths fit the context: the
     longest prompt defaults to min(600, context - max_tokens), the shortest to min(32, it);
-    lengths the user gave are never clipped silently."""
+    lengths the user gave are never clipped silently. (Each flag's own range, >= 1, is
+    checked as argparse parses it: `positive_int`.)"""
     def bad(flag: str, problem: str) -> ConfigError:
         return ConfigError(f"{flag}: {problem}")
     n = args.requests if args.requests is not None else (
         MAIN_JOB_REQUESTS if is_main_job(args) else 8)
-    if n < 1:
-        raise bad("--requests", f"must be >= 1, got {n}")
-    if args.max_tokens < 1:
-        raise bad("--max-tokens", f"must be >= 1, got {args.max_tokens}")
     problems = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p).problems()
     if problems:
@@ -114,8 +110,6 @@ def run_prompt_args(args, seq_len: int) -> tuple[int, int, int]:
                   f"{seq_len}-token context; lower it")
     hi = min(600, room) if args.max_prompt is None else args.max_prompt
     lo = min(32, hi) if args.min_prompt is None else args.min_prompt
-    if lo < 1:
-        raise bad("--min-prompt", f"must be >= 1, got {lo}")
     if hi < lo:
         raise bad("--max-prompt", f"{hi} is below --min-prompt {lo}")
     if hi > room:
@@ -146,19 +140,20 @@ def add_parser(sub) -> None:
     run.add_argument("--checkpoint",
                      help="Hugging Face-format model directory: its shapes and weights, with "
                           "--config's other sections (alone: pp=1 in this process)")
-    run.add_argument("--requests", type=int, default=None,
+    run.add_argument("--requests", type=positive_int, default=None,
                      help="requests (default 8; the main job, without --config: 20)")
-    run.add_argument("--qps", type=float, default=None,
+    run.add_argument("--qps", type=non_negative_float, default=None,
                      help="Poisson arrivals per second (default: all at once; the main job, "
                           "without --config: 1.6); 0: all at once")
-    run.add_argument("--min-prompt", type=int, default=None,
+    run.add_argument("--min-prompt", type=positive_int, default=None,
                      help="shortest random prompt (default: min(32, --max-prompt))")
-    run.add_argument("--max-prompt", type=int, default=None,
+    run.add_argument("--max-prompt", type=positive_int, default=None,
                      help="longest random prompt (default: min(600, context - max tokens))")
-    run.add_argument("--max-tokens", type=int, default=24)
+    run.add_argument("--max-tokens", type=positive_int, default=24)
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=None, help="sampling / workload seed (default 0)")
+    run.add_argument("--seed", type=non_negative_int, default=None,
+                     help="sampling / workload seed (default 0)")
     run.add_argument("--planner", help="planner.planner (sarathi, uniform, orca-best, ...)")
     run.add_argument("--workload", action="store_true",
                      help="run the config's workload section (as simulate does) instead of "

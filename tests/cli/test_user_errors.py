@@ -92,6 +92,17 @@ CLI_CASES = {
                                 ["unknown planner 'foo'"]),
     "memory-negative-device": (lambda t: ("memory", "--device-memory-gb", "-1"),
                                ["--device-memory-gb", "> 0"]),
+    # number flags, checked as argparse parses them (cli/common.py `number`)
+    "run-negative-qps": (lambda t: ("run", "--config", "tiny", "--qps", "-1"),
+                         ["--qps: must be >= 0, got -1"]),
+    "run-qps-not-a-number": (lambda t: ("run", "--qps", "fast"), ["--qps: expected a number, got 'fast'"]),
+    "run-nan-qps": (lambda t: ("run", "--qps", "nan"), ["--qps: expected a finite number"]),
+    "simulate-negative-seed": (lambda t: (*SIM, "--seed", "-1"), ["--seed: must be >= 0, got -1"]),
+    "bench-zero-qps": (lambda t: ("bench", "serve", "--qps", "0"), ["--qps: must be > 0, got 0"]),
+    "bench-zero-probes": (lambda t: ("bench", "serve", "--capacity", "--max-probes", "0"),
+                          ["--max-probes: must be >= 1, got 0"]),
+    "bench-half-request": (lambda t: ("bench", "serve", "--requests", "2.5"),
+                           ["--requests: expected a whole number, got '2.5'"]),
 }
 
 
@@ -121,12 +132,17 @@ def test_a_good_command_after_bad_ones_works(tmp_path, capsys):
 
 
 def test_traceback_only_with_debug(tmp_path):
-    """The installed CLI, as a user runs it: one line and exit 2; --debug adds the traceback."""
-    args = [sys.executable, "-m", "pp_runtime.cli", "--debug", "run", "--config", "tiny",
-            "--requests", "0"]
-    r = subprocess.run(args[:3] + args[4:], capture_output=True, text=True, timeout=120)
+    """The installed CLI, as a user runs it: one line and exit 2 (a flag's own range, as
+    argparse parses it, too); --debug adds the traceback of an error found later."""
+    cli = [sys.executable, "-m", "pp_runtime.cli"]
+    r = subprocess.run([*cli, "run", "--config", "tiny", "--requests", "0"], capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == "error: --requests: must be >= 1, got 0"
-    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    args = ["run", "--config", "tiny", "--max-prompt", "250"]
+    r = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: --max-prompt: 250") \
+        and "Traceback" not in r.stderr
+    r = subprocess.run([*cli, "--debug", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" in r.stderr and "ConfigError" in r.stderr
 
 
