@@ -26,7 +26,37 @@ class FinishReason(str, enum.Enum):
 
 
 class InvalidRequestError(ValueError):
-    """One or more requests of a call are invalid; no work was done for any of them."""
+    """One or more requests of a call are invalid; no work was done for any of them.
+
+    `field`: the request field the (first) problem names ("prompt", "max_tokens",
+    "temperature", ...; None when it is not one field); `code`: a machine-readable kind
+    where one applies ("context_length_exceeded"). The server maps them to its 400
+    without reading the message."""
+
+    def __init__(self, message: str, field: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.field, self.code = field, code
+
+    @classmethod
+    def of(cls, problems: "list[Problem]") -> "InvalidRequestError":
+        """One request's problems: every message, the first one's field and code."""
+        return cls("; ".join(p.message for p in problems), problems[0].field, problems[0].code)
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over the context
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a request: the field it is about, the message, a code where
+    one applies."""
+
+    field: str
+    message: str
+    code: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
 
 
 SEED_STRIDE = 1_000_003  # unseeded requests of a run with runtime seed s draw s * SEED_STRIDE + n
@@ -50,18 +80,22 @@ class SamplingParams:
     def problems(self) -> list[str]:
         """Everything wrong with these values, each naming the field; types are checked
         too (a str temperature, a bool max_tokens): nothing is converted silently."""
+        return [p.message for p in self.field_problems()]
+
+    def field_problems(self) -> list[Problem]:
+        """`problems()`, each with its field."""
         out = []
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            out.append(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            out.append(Problem("max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens!r}"))
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
-            out.append(f"temperature must be a finite number >= 0 (0 = greedy), "
-                       f"got {self.temperature!r}")
+            out.append(Problem("temperature", f"temperature must be a finite number >= 0 "
+                                              f"(0 = greedy), got {self.temperature!r}"))
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            out.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+            out.append(Problem("top_p", f"top_p must be a number in (0, 1], got {self.top_p!r}"))
         if self.seed is not None and not _is_int(self.seed):
-            out.append(f"seed must be an int or None, got {self.seed!r}")
+            out.append(Problem("seed", f"seed must be an int or None, got {self.seed!r}"))
         if not isinstance(self.ignore_eos, bool):
-            out.append(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+            out.append(Problem("ignore_eos", f"ignore_eos must be True or False, got {self.ignore_eos!r}"))
         return out
 
 
@@ -259,21 +293,30 @@ def _one_per_prompt(value: object, n: int, single: type | tuple, name: str, expe
 
 def check_prompt(prompt: object, params: object, vocab_size: int, max_len: int) -> list[str]:
     """Everything wrong with one request; empty when it can run."""
+    return [p.message for p in prompt_problems(prompt, params, vocab_size, max_len)]
+
+
+def prompt_problems(prompt: object, params: object, vocab_size: int,
+                    max_len: int) -> list[Problem]:
+    """`check_prompt` with each problem's field: the one set of prompt checks, for
+    `generate`, the engine and the server alike. A context overflow names the prompt when
+    the prompt alone fills the context, else max_tokens."""
     if not isinstance(params, SamplingParams):
-        return [f"params must be a SamplingParams, got {params!r}"]
-    out = list(params.problems())
+        return [Problem("params", f"params must be a SamplingParams, got {params!r}")]
+    out = params.field_problems()
     if not isinstance(prompt, (list, tuple)) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
-        return out + ["prompt must be a list of int token ids"]
+        return out + [Problem("prompt", "prompt must be a list of int token ids")]
     if len(prompt) == 0:
-        out.append("prompt is empty")
+        out.append(Problem("prompt", "prompt is empty (no tokens)"))
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
-        out.append(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        out.append(Problem("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"))
     if _is_int(params.max_tokens) and len(prompt) + params.max_tokens > max_len:
-        out.append(
+        out.append(Problem(
+            "prompt" if len(prompt) >= max_len else "max_tokens",
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
-            f"{len(prompt) + params.max_tokens} exceeds max positions {max_len}"
-        )
+            f"{len(prompt) + params.max_tokens} exceeds max positions {max_len}",
+            CONTEXT_LENGTH_EXCEEDED))
     return out

@@ -29,7 +29,7 @@ from pp_runtime.core.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config
 from pp_runtime.planner import make_planner
 from pp_runtime.core.request import (FinishReason, InvalidRequestError, Request, RequestOutput,
-                                SamplingParams, check_prompt, default_seed)
+                                SamplingParams, default_seed, prompt_problems)
 from pp_runtime.engine.streams import (Event, Finished, Listener, RequestHandle, RequestTiming, Token,
                                 Watcher)
 from pp_runtime.telemetry.metrics import NullSink, RuntimeMetrics, Sink
@@ -124,9 +124,9 @@ class Engine:
         """
         params = SamplingParams() if params is None else params
         prompt = list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple)) else prompt_token_ids
-        errs = check_prompt(prompt, params, self.cfg.model.vocab_size, self.cfg.seq_len)
-        if errs:
-            raise InvalidRequestError("; ".join(errs))
+        problems = prompt_problems(prompt, params, self.cfg.model.vocab_size, self.cfg.seq_len)
+        if problems:  # `exc.field` names the first one's field (the server's 400 says it)
+            raise InvalidRequestError.of(problems)
         if params.seed is not None:
             seed = params.seed
         elif seed is None:

@@ -3,8 +3,9 @@
   POST /v1/completions, /v1/chat/completions   `stream: true` = server-sent events
   GET  /v1/models, /metrics (Prometheus text), /health (no API key needed)
 
-A request is checked before it is taken in (400 naming the field), then added to the
-engine with a listener that hands its events to this request's asyncio queue; a full
+A request's body is checked by `protocol.py` (400 naming the field), its prompt and
+sampling values by the engine's one set of checks (`request.prompt_problems`: the 400
+names `exc.field`), as it is added to the engine with a listener that hands its events to this request's asyncio queue; a full
 waiting queue is 429 with Retry-After, a server that is starting or whose pipeline failed
 is 503. Before the body is read: the API key (`Bearer`, any case), the content type
 (`application/json`, else 415: a browser's cross-site form or text/plain POST never
@@ -155,8 +156,12 @@ async def _generate(state: ServeState, request: Request, authorize, chat: bool):
     except EngineClosed as exc:
         raise P.ApiError(503, str(exc), type="service_unavailable",
                          headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    except InvalidRequestError as exc:  # what the checks above missed, in the engine's words
-        raise P.ApiError(400, str(exc), _field_of(str(exc), chat)) from None
+    except InvalidRequestError as exc:  # the prompt checks, once, in the engine
+        field_name = exc.field or "prompt"
+        if chat and field_name == "prompt":  # the prompt is what the messages made
+            field_name = "messages"
+        message = str(exc) if str(exc).startswith(field_name) else f"{field_name}: {exc}"
+        raise P.ApiError(400, message, field_name, code=exc.code) from None
     reply = _Reply(rid, state.model, chat, state.codec.decoder(), len(prompt),
                    include_usage=bool(body.stream_options and body.stream_options.include_usage))
     if body.stream:
@@ -197,38 +202,19 @@ def _prompt_ids(state: ServeState, body, chat: bool) -> list[int]:
             ids = list(body.prompt)
     except BadText as exc:
         raise P.ApiError(400, f"{field_name}: {exc}", field_name) from None
-    if not ids:
-        raise P.ApiError(400, f"{field_name}: the prompt is empty (no tokens)", field_name)
-    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
-    if bad is not None:
-        raise P.ApiError(400, f"{field_name}: token id {bad} is outside the vocabulary "
-                              f"[0, {state.vocab_size})", field_name)
-    return ids
+    return ids  # empty, outside the vocabulary: the engine's checks say so
 
 
 def _sampling(state: ServeState, body, prompt_len: int, chat: bool) -> SamplingParams:
     max_tokens = body.max_tokens
     if chat and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
-    room = state.max_len - prompt_len
-    if max_tokens is None:  # chat without a limit: up to the context
-        max_tokens = room
-    if room < 1 or prompt_len + max_tokens > state.max_len:
-        field_name = "max_tokens" if room >= 1 else ("messages" if chat else "prompt")
-        raise P.ApiError(400, f"{field_name}: the prompt ({prompt_len} tokens) + max_tokens "
-                              f"({max_tokens}) = {prompt_len + max_tokens} exceeds the context of "
-                              f"{state.max_len} tokens", field_name, code="context_length_exceeded")
+    if max_tokens is None:  # no limit: up to the context; at least 1, so that a prompt
+        max_tokens = max(1, state.max_len - prompt_len)  # that fills it is what's named
     temperature = P.OPENAI_TEMPERATURE if body.temperature is None else body.temperature
     return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
                           ignore_eos=body.ignore_eos)
-
-
-def _field_of(message: str, chat: bool) -> str:
-    """The field an engine check names first (`max_tokens must be ...`), else the prompt."""
-    first = message.split()[0] if message else ""
-    return first if first in ("max_tokens", "temperature", "top_p", "seed", "ignore_eos") else (
-        "messages" if chat else "prompt")
 
 
 class _Reply:

@@ -34,6 +34,25 @@ def test_bad_request_is_named_and_nothing_runs(llm, prompt, params, message):
     assert [len(o.token_ids) for o in outs] == [3, 3]
 
 
+@pytest.mark.parametrize("prompt, params, field, code", [
+    ([], SamplingParams(), "prompt", None),
+    ([1, 512], SamplingParams(), "prompt", None),
+    ([1] * 60, SamplingParams(max_tokens=5), "max_tokens", "context_length_exceeded"),
+    ([1] * 64, SamplingParams(max_tokens=1), "prompt", "context_length_exceeded"),
+    ([1, 2], SamplingParams(max_tokens=0), "max_tokens", None),
+    ([1, 2], SamplingParams(top_p=0.0), "top_p", None),
+    ([1, 2], SamplingParams(temperature=-1.0), "temperature", None),
+    ([1, 2], SamplingParams(seed=1.5), "seed", None),
+], ids=["empty", "vocab", "max-tokens-over-context", "prompt-fills-context", "max-tokens",
+        "top-p", "temperature", "seed"])
+def test_the_engines_error_carries_the_field(llm, prompt, params, field, code):
+    """`Engine.add_request` raises InvalidRequestError with the field (and a code) set, so
+    the server maps it to its 400 without reading the message."""
+    with pytest.raises(InvalidRequestError) as err:
+        llm.engine.add_request(prompt, params)
+    assert (err.value.field, err.value.code) == (field, code), str(err.value)
+
+
 def test_every_bad_request_is_listed(llm):
     with pytest.raises(InvalidRequestError) as err:
         llm.generate([[], [1], [999]])

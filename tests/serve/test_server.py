@@ -188,7 +188,7 @@ BAD = [  # (path, body, the field the error names)
     "empty-text", "token-outside-vocab", "str-token", "over-context", "prompt-over-context",
     "max-tokens-0", "max-tokens-str", "negative-temperature", "top-p-0", "top-p-1.5",
     "float-seed", "n-2", "stream-str", "no-messages", "message-without-role", "chat-over-context"])
-def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
+def test_bad_input_is_a_400_naming_the_field(server, path, body, param, request):
     if isinstance(body, dict) and "model" in body and body["model"] is None:
         body = {**body, "model": model_name(server)}
     status, headers, raw = server.request("POST", path, body)
@@ -196,6 +196,9 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     err = json.loads(raw)["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     assert err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert err["message"].startswith(param.split("[")[0]) or param == "body", err
+    over = request.node.callspec.id.endswith("over-context")  # the engine's check, its code
+    assert (err["code"] == "context_length_exceeded") == over, err
 
 
 def test_a_client_leaving_mid_stream_frees_the_only_slot(server):
