@@ -41,17 +41,24 @@ def test_callers_on_many_threads_share_the_blocks_and_get_offline_tokens(llm, re
     engine, got, errors = llm.engine, {}, []
     block_users: dict[int, list[int]] = {}
     bs = llm.config.cache.block_size
+    seen, problems = [], []  # what the watcher saw and found, asserted on this thread
 
     def record(mb, out):
-        tables = [s.blocks[:-(-s.kv_len // bs)] for s in mb.seqs]
-        used = [b for t in tables for b in t]
-        if len(used) != len(set(used)):  # the watcher's errors are swallowed: keep them
-            errors.append(AssertionError(f"micro-batch {mb.mb_id} holds a block twice"))
-        for s, table in zip(mb.seqs, tables):
-            for b in table:
-                users = block_users.setdefault(b, [])
-                if not users or users[-1] != s.request_id:
-                    users.append(s.request_id)
+        """On the engine thread, which swallows what a watcher raises (it only unwatches
+        it): every problem, an unexpected error included, is kept for the test thread."""
+        try:
+            seen.append(mb.mb_id)
+            tables = [s.blocks[:-(-s.kv_len // bs)] for s in mb.seqs]
+            used = [b for t in tables for b in t]
+            if len(used) != len(set(used)):
+                problems.append(f"micro-batch {mb.mb_id} holds a block twice")
+            for s, table in zip(mb.seqs, tables):
+                for b in table:
+                    users = block_users.setdefault(b, [])
+                    if not users or users[-1] != s.request_id:
+                        users.append(s.request_id)
+        except Exception as exc:  # pragma: no cover - reported below
+            problems.append(f"the watcher failed: {type(exc).__name__}: {exc}")
 
     watcher = engine.watch(record)
 
@@ -70,6 +77,8 @@ def test_callers_on_many_threads_share_the_blocks_and_get_offline_tokens(llm, re
         t.join(120)
     engine.unwatch(watcher)
     assert not errors
+    assert watcher.error is None and not problems, problems
+    assert seen, "the watcher saw no micro-batch"
     assert [got[i] for i in range(len(PROMPTS))] == reference
     assert len(block_users) <= engine._planner.kv.pool.num_blocks
     for users in block_users.values():  # each owner held a block in one stretch
@@ -233,7 +242,7 @@ def test_the_simulators_executor_runs_under_the_engine():
     engine = Engine(cfg, SimExecutor(build_cost_model(cfg), 2, clock), clock=clock,
                     sleep=clock.sleep)
     idle, rec = [], RunRecorder(clock)
-    engine.watch(lambda mb, out: (idle.append(mb.idle_before_s), rec(mb, out)))
+    watcher = engine.watch(lambda mb, out: (idle.append(mb.idle_before_s), rec(mb, out)))
     first = engine.add_request([1] * 60, GREEDY).result(30)
     assert first.output.token_ids == [0] * 6
     # its bubble is the recorder's: stage 1 waited for stage 0 on every micro-batch
@@ -243,4 +252,5 @@ def test_the_simulators_executor_runs_under_the_engine():
     out = late.result(30).output
     assert out.finish_reason == "length" and out.arrival_s >= 5.0 and out.first_token_s > out.arrival_s
     assert max(idle) >= 4.0  # the wait for the late arrival was idle time
+    assert watcher.error is None  # the engine swallows a watcher's error: look
     engine.close()
