@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from running_server import cmdline, free_port
-from test_signals import Run, check_clean_exit
+from processes import Run, check_clean_exit
 
 pytestmark = pytest.mark.slow  # each test starts a server and a local Ray
 
