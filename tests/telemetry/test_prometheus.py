@@ -76,6 +76,7 @@ def doc_queries() -> list[tuple[str, str]]:
 
 # ---- Prometheus ---------------------------------------------------------------------------
 
+
 APT_INSTALL = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
 
 
