@@ -47,7 +47,7 @@ class Planner(Protocol):
 
 
 class Intake(Protocol):
-    """Requests that come in while the loop runs (the online engine, engine/online.py)."""
+    """Requests that come in while the loop runs (the online engine's, engine/intake.py)."""
 
     def pull(self, planner: Planner, now: float) -> None:
         """Hand the planner every request that has arrived by `now`; apply aborts."""

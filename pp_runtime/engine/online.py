@@ -1,10 +1,10 @@
 """The online engine: one driver loop on a background thread, fed while it runs. No torch.
 
 Callers on any thread `add_request` (checked first: InvalidRequestError before anything
-runs) and `abort` by id. The loop is `driver.run` with this engine as its intake: before
-every decision it pulls the requests that arrived and the aborts asked for, so the one
-planner, and with it every KV slot, is touched by the engine thread alone. A request's
-arrival time is the engine clock when it was taken in.
+runs) and `abort` by id. The loop is `driver.run` with the engine's `Intake`
+(`engine/intake.py`): before every decision it pulls the requests that arrived and the
+aborts asked for, so the one planner, and with it every KV slot, is touched by the
+engine thread alone. A request's arrival time is the engine clock when it was taken in.
 
 Each request streams to its `RequestHandle`: a `Token` as the last stage samples it, then
 one `Finished` with the RequestOutput and its `RequestTiming` (queue, TTFT, generation
@@ -16,20 +16,18 @@ work the thread sleeps on a condition. An executor failure ends every open reque
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from pp_runtime.core import driver
 from pp_runtime.core.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config
 from pp_runtime.planner import make_planner
-from pp_runtime.core.request import (FinishReason, InvalidRequestError, Request, RequestOutput,
+from pp_runtime.core.request import (FinishReason, InvalidRequestError, RequestOutput,
                                 SamplingParams, default_seed, prompt_problems)
+from pp_runtime.engine.intake import QUEUE_FULL, EngineClosed, Intake, Open, QueueFull
 from pp_runtime.engine.streams import (Event, Finished, Listener, RequestHandle, RequestTiming, Token,
                                 Watcher)
 from pp_runtime.telemetry.metrics import NullSink, RuntimeMetrics, Sink
@@ -40,33 +38,6 @@ __all__ = ["Engine", "EngineClosed", "QueueFull", "Event", "Finished", "Listener
 log = logging.getLogger(__name__)
 
 
-class EngineClosed(RuntimeError):
-    """The engine takes no more requests: it was closed, or its executor failed."""
-
-
-class QueueFull(RuntimeError):
-    """`max_waiting` requests already wait for KV blocks: come back later."""
-
-
-# why a request taken in was refused: it could not be admitted and `max_waiting` requests
-# already waited for KV blocks (it ends aborted, its `Finished.refused` set)
-QUEUE_FULL = "refused: max_waiting requests already wait for KV blocks"
-
-
-@dataclass(eq=False)
-class _Open:
-    """A request between intake and its `Finished`."""
-
-    key: str
-    req: Request
-    handle: RequestHandle
-    watcher: Watcher | None
-    in_planner: bool = False
-    dropped: bool = False  # aborted before it reached the planner
-    first_submit_s: float | None = None
-    error: str | None = None
-
-
 class Engine:
     """`cfg`'s planner and driver loop over `executor` (local, ray, or sim with its clock).
 
@@ -74,7 +45,7 @@ class Engine:
     requests allowed to wait for KV blocks (0: none waits), counted after admission, so a
     burst the free blocks can take is never refused: `add_request` raises QueueFull while
     that many wait, and one taken in beyond them that cannot be admitted at once ends
-    aborted with error `QUEUE_FULL` (`_refuse_overflow`);
+    aborted with error `QUEUE_FULL` (`engine/intake.py`);
     `thread_init`: run first on the engine thread (torch's per-thread settings);
     `clock`/`sleep`: the driver's (a `VirtualClock` and its `sleep` for the simulator).
     """
@@ -86,31 +57,28 @@ class Engine:
         self.cfg, self.clock, self.max_waiting = cfg, clock, max_waiting
         self._sleep, self._thread_init = sleep, thread_init
         self._planner = make_planner(cfg)
-        self._cond = threading.Condition()
-        self._pending: list[tuple[float, int, _Open]] = []  # (arrival, order, request) heap
-        self._aborts: dict[int, tuple[FinishReason, str | None]] = {}
-        self._open: dict[int, _Open] = {}  # by planner id
-        self._requests: dict[int, Request] = {}  # the same, for the metrics
-        self._keys: dict[str, int] = {}
+        self._intake = Intake(max_waiting, self._end, clock, sleep)
         self._watchers: list[Watcher] = []
-        self._ids = itertools.count()
-        self._closed = False
-        self._kv_waiting = 0  # requests the planner could not admit (engine thread writes)
-        self.failure: BaseException | None = None  # the executor's error, once it failed
+        self._watch_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.metrics = RuntimeMetrics.for_config(cfg, self._requests, clock,
+        self.metrics = RuntimeMetrics.for_config(cfg, self._intake.requests, clock,
                                                  lambda: self._planner.num_waiting(),
                                                  sink if sink is not None else NullSink(),
                                                  keep_ended=True)
-        self._executor = _Stamped(self.metrics.watch(executor), self._open, clock)
+        self._executor = _Stamped(self.metrics.watch(executor), self._intake.open, clock)
 
     # ---- callers (any thread) ----------------------------------------------------------
     def now(self) -> float:
         return self.clock()
 
     @property
+    def failure(self) -> BaseException | None:
+        """The executor's error, once it failed."""
+        return self._intake.failure
+
+    @property
     def healthy(self) -> bool:
-        return self.failure is None and not self._closed
+        return self._intake.failure is None and not self._intake.closed
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, listener: Listener | None = None,
@@ -131,78 +99,45 @@ class Engine:
             seed = params.seed
         elif seed is None:
             seed = default_seed(self.cfg.runtime.seed)
-        with self._cond:
-            if self.failure is not None:
-                raise EngineClosed(f"the engine failed: {self.failure}")
-            if self._closed:
-                raise EngineClosed("the engine is closed")
-            if request_id is not None and request_id in self._keys:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            if self.max_waiting is not None and self._kv_waiting >= max(1, self.max_waiting):
-                raise QueueFull(f"{self._kv_waiting} requests already wait for KV blocks "
-                                f"(max_waiting {self.max_waiting})")
-            rid = next(self._ids)
-            now = self.clock()
-            arrival = now if arrival_s is None else max(now, arrival_s)
-            key = str(rid) if request_id is None else request_id
-            o = _Open(key, Request(rid, prompt, params, seed, arrival_s=arrival),
-                      RequestHandle(key, listener), watcher)
-            self._open[rid], self._requests[rid], self._keys[key] = o, o.req, rid
-            if watcher is not None:
-                watcher.request_ids.add(rid)
-            heapq.heappush(self._pending, (arrival, rid, o))
-            self._start()
-            self._cond.notify_all()
+        o = self._intake.take(prompt, params, seed, request_id, listener, watcher, arrival_s,
+                              self._start)
         return o.handle
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED,
               error: str | None = None) -> bool:
         """End a request (it frees its KV slot); False when it already ended."""
-        with self._cond:
-            rid = self._keys.get(request_id)
-            if rid is None:
-                return False
-            self._aborts.setdefault(rid, (reason, error))
-            self._cond.notify_all()
-            return True
+        return self._intake.ask_abort(request_id, reason, error)
 
     def watch(self, callback: driver.OnMicroBatch) -> Watcher:
         """Call `callback(mb, out)` for every micro-batch until `unwatch`; requests added
         with this watcher end with `error` if it raises."""
         w = Watcher(callback)
-        with self._cond:
+        with self._watch_lock:
             self._watchers.append(w)
         return w
 
     def unwatch(self, watcher: Watcher) -> None:
-        with self._cond:
+        with self._watch_lock:
             if watcher in self._watchers:
                 self._watchers.remove(watcher)
 
     def num_waiting(self) -> int:
         """Requests taken in that hold no KV slot yet."""
-        with self._cond:
-            return sum(1 for o in self._open.values() if o.req.blocks is None)
+        return self._intake.count(holding_blocks=False)
 
     def num_queued(self) -> int:
         """Requests the planner could not admit when it last tried (what `max_waiting` counts)."""
-        return self._kv_waiting
+        return self._intake.kv_waiting
 
     def num_running(self) -> int:
         """Requests that hold a KV slot."""
-        with self._cond:
-            return sum(1 for o in self._open.values() if o.req.blocks is not None)
+        return self._intake.count(holding_blocks=True)
 
     def abandon(self, error: str) -> None:
         """End every open request with `error` now, from this thread, without waiting for
         the pipeline (an interrupt); the engine takes no more requests."""
-        with self._cond:
-            self._closed = True
-            opened = list(self._open.values())
-            for o in opened:  # the loop still ends them, and frees their slots
-                self._aborts.setdefault(o.req.request_id, (FinishReason.ERROR, error))
-            self._cond.notify_all()
-        now = self.clock()
+        opened = self._intake.close(FinishReason.ERROR, error)  # the loop still ends them
+        now = self.clock()  # and frees their slots
         for o in opened:
             r = o.req
             out = RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
@@ -211,87 +146,16 @@ class Engine:
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Abort every open request, stop the loop and wait for it (up to `timeout`)."""
-        with self._cond:
-            self._closed = True
-            for rid in self._open:
-                self._aborts.setdefault(rid, (FinishReason.ABORTED, None))
-            self._cond.notify_all()
+        with self._intake.cond:
+            self._intake.close(FinishReason.ABORTED, None)
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
-    def _start(self) -> None:
+    def _start(self) -> None:  # under the intake's lock
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="pp-engine", daemon=True)
             self._thread.start()
-
-    # ---- the intake, on the engine thread (driver.Intake) -------------------------------
-    def pull(self, planner: driver.Planner, now: float) -> None:
-        """Hand the planner what arrived by `now`, then apply the aborts that can be."""
-        arrived = []
-        with self._cond:
-            while self._pending and self._pending[0][0] <= now:
-                o = heapq.heappop(self._pending)[2]
-                if not o.dropped:
-                    o.in_planner = True
-                    arrived.append(o)
-            aborts, self._aborts = self._aborts, {}
-        for o in arrived:
-            planner.add(o.req)
-        if self.max_waiting is not None:
-            self._refuse_overflow(planner, now)
-        for rid, (reason, error) in aborts.items():
-            o = self._open.get(rid)
-            if o is not None and not self._abort_now(planner, o, reason, error, now):
-                with self._cond:  # in the pipeline: again once its micro-batch is back
-                    self._aborts.setdefault(rid, (reason, error))
-
-    def _refuse_overflow(self, planner: driver.Planner, now: float) -> None:
-        """Admit what the free KV blocks take now; of the arrived requests still waiting,
-        end the newest never-run ones beyond `max_waiting` (QUEUE_FULL). Preempted ones
-        (they have run) always wait."""
-        planner.admit(now)
-        queued = planner.queued(now)
-        fresh = [r for r in queued if r.num_preemptions == 0 and not r.output_token_ids]
-        over = min(len(fresh), len(queued) - self.max_waiting)
-        for req in fresh[len(fresh) - over:] if over > 0 else ():
-            self._abort_now(planner, self._open[req.request_id], FinishReason.ABORTED,
-                            QUEUE_FULL, now)
-        self._kv_waiting = len(queued) - max(0, over)
-
-    def wait(self) -> bool:
-        """Sleep until a request arrives or an abort is asked for; False once closed."""
-        with self._cond:
-            while True:
-                if self._aborts:
-                    return True
-                if self._closed:
-                    return False
-                if self._pending:
-                    delay = self._pending[0][0] - self.clock()
-                    if delay <= 0:
-                        return True
-                    if self._sleep is not None:  # a virtual clock: jump to the arrival
-                        self._sleep(delay)
-                        return True
-                    self._cond.wait(delay)
-                else:
-                    self._cond.wait()
-
-    def _abort_now(self, planner: driver.Planner, o: _Open, reason: FinishReason,
-                   error: str | None, now: float) -> bool:
-        """End `o` unless a micro-batch in flight still carries it (False: try later)."""
-        req = o.req
-        if req.finished:
-            return True
-        if not o.in_planner:
-            o.dropped = True
-            req.finish_reason, req.finish_s = reason, now
-        elif not planner.abort(req, reason, now):  # frees its KV slot
-            return False
-        o.error = error
-        self._end(o)
-        return True
 
     # ---- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -300,11 +164,10 @@ class Engine:
         while True:
             try:
                 driver.run(self._planner, self._executor, self.cfg.in_flight, self.clock,
-                           self._on_microbatch, self._sleep or time.sleep, intake=self)
+                           self._on_microbatch, self._sleep or time.sleep, intake=self._intake)
                 return  # closed
             except driver.ExecutorFailed as exc:
-                with self._cond:
-                    self.failure = exc
+                self._intake.fail(exc)
                 self._end_all(str(exc))
                 return
             except Exception as exc:  # a bug above the executor: the pipeline is still good
@@ -316,9 +179,7 @@ class Engine:
         """End open requests with `error`: those the planner held (the driver already
         marked them), and unless `only_planned` those still waiting to arrive."""
         now = self.clock()
-        with self._cond:
-            opened = [o for o in self._open.values() if o.in_planner or not only_planned]
-        for o in opened:
+        for o in self._intake.opened(only_planned):
             if not o.req.finished:
                 o.req.finish_reason, o.req.finish_s = FinishReason.ERROR, now
                 o.dropped = True
@@ -329,7 +190,7 @@ class Engine:
         """After the planner took a result: metrics, watchers, then each request's events
         (watchers first: a client whose last request ends has seen every micro-batch)."""
         self.metrics.on_microbatch(mb, out)
-        with self._cond:
+        with self._watch_lock:
             watchers = list(self._watchers)
         for w in watchers:
             try:
@@ -337,11 +198,9 @@ class Engine:
             except Exception as exc:
                 w.error = exc
                 self.unwatch(w)
-                with self._cond:
-                    for rid in w.request_ids:
-                        self._aborts.setdefault(rid, (FinishReason.ERROR, f"{type(exc).__name__}: {exc}"))
+                self._intake.abort_watched(w, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
         for s in mb.seqs:
-            o = self._open.get(s.request_id)
+            o = self._intake.open.get(s.request_id)
             if o is None:
                 continue
             token = out.tokens.get(s.request_id) if s.sampling is not None else None
@@ -350,31 +209,24 @@ class Engine:
             if o.req.finished:
                 self._end(o)
 
-    def _end(self, o: _Open) -> None:
+    def _end(self, o: Open) -> None:
         rid = o.req.request_id
-        with self._cond:
-            self._open.pop(rid, None)
-            self._requests.pop(rid, None)
-            self._keys.pop(o.key, None)
-            self._aborts.pop(rid, None)
-            if o.watcher is not None:
-                o.watcher.request_ids.discard(rid)
+        self._intake.release(o)
         self._planner.forget(rid)  # ended: nothing refers to it any more
         out = o.req.output(o.error)
         self._emit(o, Finished(o.key, out, _timing(o, out, self.metrics.take_bubble_s(rid)),
                                refused=o.error == QUEUE_FULL))
 
-    def _emit(self, o: _Open, event: Event) -> None:
+    def _emit(self, o: Open, event: Event) -> None:
         try:
             o.handle.emit(event)
         except Exception:  # a listener that fails is a client gone: end its request
             log.exception("listener of request %s failed; aborting it", o.key)
             if isinstance(event, Token):
-                with self._cond:
-                    self._aborts.setdefault(o.req.request_id, (FinishReason.ABORTED, None))
+                self._intake.abort_later(o.req.request_id, FinishReason.ABORTED, None)
 
 
-def _timing(o: _Open, out: RequestOutput, bubble_s: float) -> RequestTiming:
+def _timing(o: Open, out: RequestOutput, bubble_s: float) -> RequestTiming:
     arrival, first, end = out.arrival_s, out.first_token_s, out.finish_s
     return RequestTiming(None if o.first_submit_s is None else o.first_submit_s - arrival,
                          None if first is None else first - arrival,
@@ -385,7 +237,7 @@ class _Stamped:
     """The executor, noting when each request's first micro-batch was submitted; the rest
     of `driver.Executor` is the executor's own."""
 
-    def __init__(self, executor: driver.Executor, opened: dict[int, _Open],
+    def __init__(self, executor: driver.Executor, opened: dict[int, Open],
                  clock: Callable[[], float]):
         self.executor, self.opened, self.clock = executor, opened, clock
         self.name = executor.name

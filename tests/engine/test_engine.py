@@ -212,13 +212,14 @@ def test_an_executor_failure_ends_every_open_request_with_error():
 def test_an_idle_engine_sleeps_until_a_request_comes():
     with one_slot() as llm:
         engine, pulls = llm.engine, [0]
-        pull = engine.pull
+        intake = engine._intake  # the loop's driver.Intake (engine/intake.py)
+        pull = intake.pull
 
         def counting(planner, now):
             pulls[0] += 1
             return pull(planner, now)
 
-        engine.pull = counting
+        intake.pull = counting
         engine.add_request([1, 2, 3], GREEDY).result(30)
         time.sleep(0.1)
         before = pulls[0]
