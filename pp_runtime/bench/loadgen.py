@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 
 from pp_runtime.core.workload import RequestSpec, workload_prompts  # noqa: F401 (callers' import)
-from pp_runtime.telemetry.report import _stats as stats  # the one percentile helper
+from pp_runtime.telemetry.report import percentiles as stats  # the one percentile helper
 
 LATENCY_KEYS = ("median", "p90", "p99")  # the run report's keys (`report.json`'s ttft_s, tbt_s)
 

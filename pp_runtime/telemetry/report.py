@@ -47,7 +47,7 @@ def _hardware(cfg: Config) -> str:
     return f"profile {hw.profile}" if hw.profile else hw.gpu
 
 
-def _stats(values: Sequence[float], keys: Sequence[str] = ("median", "p90", "p99", "mean")) -> dict:
+def percentiles(values: Sequence[float], keys: Sequence[str] = ("median", "p90", "p99", "mean")) -> dict:
     a = np.asarray(values, dtype=float)
     if a.size == 0:
         return {k: None for k in keys}
@@ -105,15 +105,15 @@ def build_report(run: RunResult) -> dict[str, Any]:
     summary = {
         "planner": pl.planner, "executor": run.executor, "num_requests": len(requests),
         "makespan_s": makespan, "throughput_tok_s": tokens / makespan if makespan > 0 else 0.0,
-        "bubble_per_request_s": _stats([r["bubble_s"] for r in requests]),
+        "bubble_per_request_s": percentiles([r["bubble_s"] for r in requests]),
         "bubble_fraction": sum(by_cause.values()),
         "bubble_fraction_by_cause": by_cause,
         "per_stage": per_stage,
         # warm-up, steady state, tail (telemetry/windows.py, docs/bubbles.md)
         "windows": _windows(run.replicas, requests),
-        "ttft_s": _stats([r["first_token_s"] - r["arrival_s"] for r in done
+        "ttft_s": percentiles([r["first_token_s"] - r["arrival_s"] for r in done
                           if r["first_token_s"] is not None], ("median", "p99")),
-        "tbt_s": _stats(gaps, ("median", "p99")),
+        "tbt_s": percentiles(gaps, ("median", "p99")),
         "num_microbatches": sum(rec.num_microbatches for rec in run.replicas),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in requests)),
         "preemptions": sum(r["preemptions"] for r in requests),  # KV taken back, recomputed
