@@ -2,7 +2,8 @@
 CLI builds its parser from here on every command).
 
 Every flag is checked before anything starts (one line, exit 2, as `docs/errors.md`
-promises): a port outside 1-65535, a negative `--max-waiting`, a body limit <= 0, an API
+promises): a port outside 0-65535, a negative `--max-waiting`, a body limit <= 0 (these three
+as argparse parses them, `cli/common.py`'s one-line errors), an API
 key file that cannot be read, and an address beyond loopback without an API key.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ MAX_BODY_MB = 4.0  # the same default as serve/app.py's: a 1024-token prompt is 
 
 
 def add_parser(sub) -> None:
-    from pp_runtime.cli.common import RUN_DEFAULT_CONFIG, add_config_args
+    from pp_runtime.cli.common import (RUN_DEFAULT_CONFIG, add_config_args, non_negative_int,
+                                       number)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the pipeline",
                          description="Serve the model over HTTP with OpenAI's API: "
@@ -38,16 +40,17 @@ def add_parser(sub) -> None:
     srv.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default 127.0.0.1: this machine only); any "
                           "other address opens it to the network and needs an API key")
-    srv.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    srv.add_argument("--port", type=tcp_port, default=8000, help="HTTP port (default 8000)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on every route but /health "
                           f"(visible in ps: prefer --api-key-file or ${API_KEY_ENV})")
     srv.add_argument("--api-key-file", default=None, metavar="FILE",
                      help=f"read the API key from FILE's first line (also ${API_KEY_FILE_ENV})")
-    srv.add_argument("--max-waiting", type=int, default=1024,
+    srv.add_argument("--max-waiting", type=non_negative_int, default=1024,
                      help="requests allowed to wait for KV blocks; beyond it 429 with "
                           "Retry-After; 0: no queue (default 1024)")
-    srv.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB,
+    srv.add_argument("--max-body-mb", type=number(float, 0, strict=True, high=1024),
+                     default=MAX_BODY_MB,
                      help=f"largest request body in MB; above it 413 (default {MAX_BODY_MB:g})")
     srv.add_argument("--no-prefix-cache", action="store_true",
                      help="do not reuse the KV blocks of prompt prefixes already computed "
@@ -82,14 +85,22 @@ def cmd_serve(args) -> int:
         return interrupt.exit_code(exc)
 
 
+def tcp_port(text: str) -> int:
+    """--port's argparse `type=`: 0-65535 (0: any free one), named in argparse's one line."""
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port; use 1-65535 (0: any free one)")
+    return port
+
+
 def check_flags(args) -> dict:
-    """serve()'s keyword arguments from the flags; ConfigError (exit 2) for a bad one."""
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port: {args.port} is not a TCP port; use 1-65535 (0: any free one)")
-    if args.max_waiting < 0:
-        raise ConfigError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if not 0 < args.max_body_mb <= 1024:
-        raise ConfigError(f"--max-body-mb must be > 0 and <= 1024, got {args.max_body_mb:g}")
+    """serve()'s keyword arguments from the flags (their ranges are checked as argparse
+    parses them); ConfigError (exit 2) for a bad API key or an open host without one."""
     api_key = read_api_key(args.api_key, args.api_key_file)
     if api_key is None and not is_loopback(args.host):
         raise ConfigError(f"--host {args.host}: listening beyond this machine needs an API key "

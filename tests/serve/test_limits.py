@@ -184,8 +184,10 @@ BAD_FLAGS = [  # (id, flags, env, what the one line says)
     ("open-without-key", ["--host", "0.0.0.0"], {}, "--host 0.0.0.0: listening beyond this machine needs an API key"),
     ("key-file-missing", ["--api-key-file", "/nonexistent/key"], {}, "--api-key-file /nonexistent/key: cannot read it"),
     ("key-file-env-empty", [], {"PP_RUNTIME_API_KEY_FILE": os.devnull}, "the API key must be one word"),
-    ("max-body-0", ["--max-body-mb", "0"], {}, "--max-body-mb must be > 0"),
-    ("max-waiting-negative", ["--max-waiting", "-1"], {}, "--max-waiting must be >= 0"),
+    ("max-body-0", ["--max-body-mb", "0"], {}, "--max-body-mb: must be > 0, got 0"),
+    ("max-waiting-negative", ["--max-waiting", "-1"], {}, "--max-waiting: must be >= 0, got -1"),
+    ("max-body-huge", ["--max-body-mb", "2048"], {}, "--max-body-mb: must be <= 1024, got 2048"),
+    ("port-not-a-number", ["--port", "http"], {}, "--port: expected a whole number, got 'http'"),
 ]
 
 
