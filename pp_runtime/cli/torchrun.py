@@ -27,21 +27,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pp_runtime.cli.common import config_from_args
+from pp_runtime.cli.common import Parser, config_from_args, non_negative_int, positive_int
 from pp_runtime.config import Config
 from pp_runtime.worker.device import dist_backend, resolve_device
 from pp_runtime.core.errors import ConfigError
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pp_runtime.cli.torchrun", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m pp_runtime.cli.torchrun", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (path or shipped name)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--checkpoint", help="Hugging Face-format model directory")
     p.add_argument("--planner")
-    p.add_argument("--requests", type=int, help="workload.num_requests")
-    p.add_argument("--seed", type=int, help="workload.seed")
+    p.add_argument("--requests", type=positive_int, help="workload.num_requests")
+    p.add_argument("--seed", type=non_negative_int, help="workload.seed")
     p.add_argument("--out", help="report directory (rank 0; default runs/torchrun-MODEL-PLANNER)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
