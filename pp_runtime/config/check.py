@@ -63,10 +63,20 @@ def _check_types(section: str, obj: Any) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Raise ConfigError for any configuration that cannot work."""
+    """Raise ConfigError for any configuration that cannot work: the field types (pydantic),
+    then each section's ranges, in the order a reader meets them."""
     for section in fields(cfg):
         _check_types(section.name, getattr(cfg, section.name))
-    m, p, c, pl, rt, hw = cfg.model, cfg.parallel, cfg.cache, cfg.planner, cfg.runtime, cfg.hardware
+    _check_model(cfg.model)
+    _check_parallel(cfg.parallel, cfg.hardware)
+    cfg.workload.validate()
+    _check_parallel_fits(cfg.model, cfg.parallel)
+    _check_planner(cfg.planner)
+    _check_cache_section(cfg.cache, cfg.model, cfg.seq_len)
+    _check_runtime(cfg.runtime, cfg.parallel)
+
+
+def _check_model(m) -> None:
     _check(m.family in FAMILIES, "model.family", f"unknown model family {m.family!r}",
            f"use one of {', '.join(FAMILIES)}")
     _check(m.dtype in DTYPES or m.dtype == AUTO_DTYPE, "model.dtype", f"unknown dtype {m.dtype!r}",
@@ -90,12 +100,18 @@ def validate(cfg: Config) -> None:
            f"unknown activation {m.act!r}", "use gelu_new, gelu, relu or silu")
     _check(m.eos_token_id is None or 0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id",
            f"{m.eos_token_id} is outside the vocabulary [0, {m.vocab_size})", "fix or unset it")
+
+
+def _check_parallel(p, hw) -> None:
     _check(p.tp >= 1, "parallel.tp", f"must be >= 1, got {p.tp}", "use 1 for no tensor parallelism")
     _check(p.pp >= 1, "parallel.pp", f"must be >= 1, got {p.pp}", "use 1 for no pipeline")
     _check(p.dp >= 1, "parallel.dp", f"must be >= 1, got {p.dp}", "use 1 for one replica")
     _check(hw.gpus_per_node >= 1, "hardware.gpus_per_node", f"must be >= 1, got {hw.gpus_per_node}",
            "use e.g. 8 (a DGX node)")
-    cfg.workload.validate()
+
+
+def _check_parallel_fits(m, p) -> None:
+    """The model cut by tp and pp: heads, KV heads and ffn divisible, a layer per stage."""
     _check(m.num_heads % p.tp == 0, "parallel.tp",
            f"num_heads {m.num_heads} is not divisible by tp {p.tp}", "pick tp that divides num_heads")
     _check(m.kv_heads % p.tp == 0, "parallel.tp",
@@ -107,6 +123,9 @@ def validate(cfg: Config) -> None:
            f"{m.num_layers} layers cannot fill {p.pp} pipeline stages",
            f"use pp <= {m.num_layers}")
     _check_layer_split(m.num_layers, p)
+
+
+def _check_planner(pl) -> None:
     _check(pl.planner in PLANNERS, "planner.planner", f"unknown planner {pl.planner!r}",
            f"use one of {', '.join(PLANNERS)}")
     _check(pl.chunk_size >= 1, "planner.chunk_size", f"must be >= 1, got {pl.chunk_size}",
@@ -132,16 +151,22 @@ def validate(cfg: Config) -> None:
            "0 turns it off; 4 is the default")
     _check(pl.target_ms is None or pl.target_ms > 0, "planner.target_ms",
            f"must be > 0, got {pl.target_ms}", "leave it unset for the default target")
+
+
+def _check_cache_section(c, m, seq_len: int) -> None:
     _check(c.kv_slots is None or c.kv_slots >= 1, "cache.kv_slots",
            f"must be >= 1, got {c.kv_slots}", "leave it unset for pp * max_batch_size")
     _check(c.max_seq_len is None or 1 <= c.max_seq_len <= m.max_positions, "cache.max_seq_len",
            f"{c.max_seq_len} is outside [1, max_positions={m.max_positions}]",
            "leave it unset for max_positions")
-    _check_cache(c, cfg.seq_len)
+    _check_cache(c, seq_len)
     _check(0 < c.memory_utilization <= 1, "cache.memory_utilization",
            f"must be in (0, 1], got {c.memory_utilization}", "use e.g. 0.9")
     _check(c.device_memory_gb is None or c.device_memory_gb > 0, "cache.device_memory_gb",
            f"must be > 0, got {c.device_memory_gb}", "give the memory of one device in GB")
+
+
+def _check_runtime(rt, p) -> None:
     _check(rt.device == "auto" or rt.device == "cpu" or rt.device.split(":")[0] == "cuda",
            "runtime.device", f"unknown device {rt.device!r}", "use auto, cpu, cuda or cuda:N")
     _check(rt.executor in ("auto", "local", "ray", "torchrun"), "runtime.executor",
