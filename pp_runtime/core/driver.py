@@ -28,6 +28,32 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...  # release the stages; a second call does nothing
 
 
+class ExecutorWrapper:
+    """An executor seen through another object: every `Executor` member is the wrapped
+    one's; a wrapper (the engine's first-submit stamps, the metrics' in-flight count)
+    overrides only `submit` or `wait`."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+        self.name = executor.name
+
+    @property
+    def device(self):
+        return self.executor.device
+
+    def describe(self) -> str:
+        return self.executor.describe()
+
+    def submit(self, mb: MicroBatch) -> object:
+        return self.executor.submit(mb)
+
+    def wait(self, handle: object) -> SampledTokens:
+        return self.executor.wait(handle)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
 class Planner(Protocol):
     """What the loop and an intake use (`planner/base.py`'s BasePlanner has them all)."""
 

@@ -233,24 +233,14 @@ def _timing(o: Open, out: RequestOutput, bubble_s: float) -> RequestTiming:
                          None if first is None or end is None else end - first, bubble_s)
 
 
-class _Stamped:
+class _Stamped(driver.ExecutorWrapper):
     """The executor, noting when each request's first micro-batch was submitted; the rest
     of `driver.Executor` is the executor's own."""
 
     def __init__(self, executor: driver.Executor, opened: dict[int, Open],
                  clock: Callable[[], float]):
-        self.executor, self.opened, self.clock = executor, opened, clock
-        self.name = executor.name
-
-    @property
-    def device(self):
-        return self.executor.device
-
-    def describe(self) -> str:
-        return self.executor.describe()
-
-    def shutdown(self) -> None:
-        self.executor.shutdown()
+        super().__init__(executor)
+        self.opened, self.clock = opened, clock
 
     def submit(self, mb: MicroBatch) -> object:
         now = self.clock()
@@ -259,6 +249,3 @@ class _Stamped:
             if o is not None and o.first_submit_s is None:
                 o.first_submit_s = now
         return self.executor.submit(mb)
-
-    def wait(self, handle: object) -> SampledTokens:
-        return self.executor.wait(handle)

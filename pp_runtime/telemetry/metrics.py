@@ -20,6 +20,7 @@ from enum import Enum
 from typing import Callable, Mapping, Protocol
 
 from pp_runtime.core.batch import MicroBatch, SampledTokens
+from pp_runtime.core.driver import ExecutorWrapper
 from pp_runtime.config import Config
 from pp_runtime.core.request import Request
 from pp_runtime.telemetry.bubbles import StageAccumulator, add_microbatch
@@ -288,23 +289,13 @@ class RuntimeMetrics:
         self.sink.record(metric, value, {**self.tags, **tags} if tags else self.tags)
 
 
-class _Watched:
+class _Watched(ExecutorWrapper):
     """An executor wrapper that reports the number of micro-batches in flight; the rest of
     `driver.Executor` is the executor's own."""
 
     def __init__(self, executor, metrics: RuntimeMetrics):
-        self.executor, self.metrics = executor, metrics
-        self.name = executor.name
-
-    @property
-    def device(self):
-        return self.executor.device
-
-    def describe(self) -> str:
-        return self.executor.describe()
-
-    def shutdown(self) -> None:
-        self.executor.shutdown()
+        super().__init__(executor)
+        self.metrics = metrics
 
     def submit(self, mb: MicroBatch) -> object:
         handle = self.executor.submit(mb)
