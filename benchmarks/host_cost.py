@@ -5,7 +5,7 @@ on each executor (`costmodel/calibrate.py`): Ray (one actor per stage) and torch
 process per stage, started here with torch.multiprocessing as torchrun would, rank 0
 driving), and the host costs the simulator charges (docs/simulator.md, "Host costs"): the
 driver's turn before a submit, the submit (Ray: `ray.put` and one task per actor, or one
-compiled-graph execution; torchrun: one broadcast plus rank 0's own stage work), the
+compiled-graph execution; torchrun: one broadcast, rank 0's own stage work handed to its thread), the
 call's trip to an idle stage, each stage's gap between two calls, the result's trip back;
 plus the compute fit under contention.
 
