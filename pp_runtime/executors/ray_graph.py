@@ -8,19 +8,31 @@ import time
 from pp_runtime.core.errors import CheckpointError, ConfigError, WorkerFailed
 
 GRAPH_AUTO = "auto"  # runtime.compiled_graph: decided by `graph_on` from the cluster
+# auto turns the graph on only once a stage actor killed while the graph is idle is known
+# not to crash the driver: Ray 2.60 did so once (`experimental_mutable_object_provider.cc
+# ... Check failed` in the graph's teardown, docs/distributed.md), and it was not
+# reproduced in issue 23's tries, which shows no fix. Until then auto is off on CPU and
+# GPU alike; `graph_pays` is the rule it will apply.
+AUTO_TURNS_ON = False
 
 
 def graph_on(cfg, device: str, resources: dict, cores: int | None = None) -> bool:
-    """Whether the stages run as one compiled graph: `runtime.compiled_graph` as given, or
-    for auto, on where every stage has a processor of its own for the graph's channels to
-    poll on: the actors run on CUDA (`ray_device` gave each its GPU), or the cluster has
-    a CPU per worker and one for the driver (tp * pp + 1). On fewer CPUs the polling takes
-    the stages' compute (docs/distributed.md). `resources`: `ray.cluster_resources()`;
-    `cores`: this machine's cores where the cluster is this machine alone (a local Ray
-    may declare more logical CPUs than there are cores; the cores are what is shared)."""
+    """Whether the stages run as one compiled graph: `runtime.compiled_graph` as given;
+    auto: `graph_pays`, while AUTO_TURNS_ON (off for now, above)."""
     setting = cfg.runtime.compiled_graph
     if setting != GRAPH_AUTO:
         return bool(setting)
+    return AUTO_TURNS_ON and graph_pays(cfg, device, resources, cores)
+
+
+def graph_pays(cfg, device: str, resources: dict, cores: int | None = None) -> bool:
+    """Where the graph pays: every stage has a processor of its own for the graph's
+    channels to poll on: the actors run on CUDA (`ray_device` gave each its GPU), or the
+    cluster has a CPU per worker and one for the driver (tp * pp + 1). On fewer CPUs the
+    polling takes the stages' compute (docs/distributed.md). `resources`:
+    `ray.cluster_resources()`; `cores`: this machine's cores where the cluster is this
+    machine alone (a local Ray may declare more logical CPUs than there are cores; the
+    cores are what is shared)."""
     if device == "cuda":
         return True
     cpus = resources.get("CPU", 0)

@@ -1,11 +1,14 @@
 """`runtime.compiled_graph: auto` (the default), decided once on the driver from the Ray
-cluster's resources (`ray_graph.graph_on`, after `ray_executor.ray_device`): on where every
-stage has a processor of its own for the graph's channels to poll on, off elsewhere; true
-and false as given. Resources are injected, as `resolve` is tested with GPU counts."""
+cluster's resources (`ray_graph.graph_on`, after `ray_executor.ray_device`). The rule
+(`graph_pays`): on where every stage has a processor of its own for the graph's channels
+to poll on, off elsewhere. While `AUTO_TURNS_ON` is False (a killed actor may crash the
+driver, docs/distributed.md) auto is off everywhere; true and false are taken as given.
+Resources are injected, as `resolve` is tested with GPU counts."""
 import pytest
 
 from pp_runtime.config import ConfigError, load_config
 from pp_runtime.executors.ray_executor import ray_device
+from pp_runtime.executors import ray_graph
 from pp_runtime.executors.ray_graph import graph_on
 
 
@@ -18,8 +21,13 @@ def decide(c, resources, cores=None):
     return graph_on(c, ray_device(c, resources), resources, cores)
 
 
+@pytest.fixture
+def auto_turns_on(monkeypatch):
+    monkeypatch.setattr(ray_graph, "AUTO_TURNS_ON", True)
+
+
 @pytest.mark.parametrize("sets, resources, cores, want", [
-    # CPU actors: a CPU per worker plus one for the driver
+    # CPU actors: a CPU per worker plus one for the driver (AUTO_TURNS_ON set for these)
     ({"pp": 2}, {"CPU": 2}, None, False),  # this machine: 2 cores for 2 stages and a driver
     ({"pp": 2}, {"CPU": 3}, None, True),
     ({"pp": 3}, {"CPU": 3}, None, False),  # what start_ray gives pp = 3 on 2 cores
@@ -38,11 +46,21 @@ def decide(c, resources, cores=None):
     ({"pp": 2, "compiled_graph": True}, {"CPU": 2}, 2, True),
     ({"pp": 4, "compiled_graph": False}, {"CPU": 64, "GPU": 8}, None, False),
 ], ids=str)
-def test_auto_is_on_where_every_stage_has_a_processor(sets, resources, cores, want):
+def test_auto_is_on_where_every_stage_has_a_processor(sets, resources, cores, want,
+                                                      auto_turns_on):
     assert decide(cfg(**sets), resources, cores) is want
 
 
-def test_auto_is_the_default_and_off_for_pp2_on_this_two_core_machine():
+def test_auto_stays_off_everywhere_while_a_killed_actor_may_crash_the_driver():
+    assert ray_graph.AUTO_TURNS_ON is False
+    for sets, resources in [({"pp": 4}, {"CPU": 64}), ({"pp": 2, "tp": 2}, {"CPU": 8, "GPU": 4})]:
+        c = cfg(**sets)
+        assert ray_graph.graph_pays(c, ray_device(c, resources), resources)  # where it pays
+        assert decide(c, resources) is False
+    assert decide(cfg(pp=2, compiled_graph=True), {"CPU": 2}) is True
+
+
+def test_auto_is_the_default_and_off_for_pp2_on_this_two_core_machine(auto_turns_on):
     """What a local Ray started here gets (start_ray: max(workers, cores) logical CPUs)."""
     c = cfg(pp=2)
     assert c.runtime.compiled_graph == "auto"
