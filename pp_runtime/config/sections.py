@@ -181,10 +181,13 @@ class RuntimeConfig:
     startup_timeout_s: float = 300.0  # actors placed, groups formed and weights loaded within this
     metrics: bool = True  # export Ray metrics (ray executor)
     compiled_graph: bool | str = "auto"  # ray: every rank's micro-batch call as one Ray
-    #                               Compiled Graph execution (docs/distributed.md); "auto"
-    #                               (`ray_graph.graph_on`): on where each stage has a GPU, or
-    #                               the cluster has tp * pp + 1 CPUs; off on fewer, where the
-    #                               graph's polling channels take the stages' CPU
+    #                               Compiled Graph execution (docs/distributed.md); "auto":
+    #                               where it pays (`ray_graph.graph_pays`: a GPU per worker,
+    #                               or tp * pp + 1 CPUs; its polling channels took the
+    #                               stages' CPU on this 2-core machine), but for now off on
+    #                               CPU and GPU alike (`AUTO_TURNS_ON`): in Ray 2.60 an actor
+    #                               killed while the graph is idle crashed the driver in 1
+    #                               of 2 tries (16b9067), 0 of 17 in issue 23, no fix shown
     # CPU fast paths (docs/performance.md); neither changes anything on CUDA
     prepack: bool = True  # linear layers on prepacked oneDNN weights (CPU, float32/bfloat16,
     #                       tp = 1 layers; results differ from plain torch by fp32 rounding)
