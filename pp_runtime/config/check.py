@@ -177,6 +177,9 @@ def _check_runtime(rt, p) -> None:
            "use 0 for a free port")
     _check(rt.threads_per_worker is None or rt.threads_per_worker >= 1, "runtime.threads_per_worker",
            f"must be >= 1, got {rt.threads_per_worker}", "leave it unset for cores / workers")
+    _check(isinstance(rt.compiled_graph, bool) or rt.compiled_graph == "auto",
+           "runtime.compiled_graph", f"unknown value {rt.compiled_graph!r}",
+           "use auto, true or false")
     _check(rt.kv_layout in ("auto", "heads", "tokens"), "runtime.kv_layout",
            f"unknown layout {rt.kv_layout!r}", "use auto, heads or tokens")
     _check(rt.step_timeout_s > 0 and rt.startup_timeout_s > 0, "runtime.step_timeout_s",

@@ -180,12 +180,11 @@ class RuntimeConfig:
     step_timeout_s: float = 120.0  # a micro-batch no rank finishes within this ends the run
     startup_timeout_s: float = 300.0  # actors placed, groups formed and weights loaded within this
     metrics: bool = True  # export Ray metrics (ray executor)
-    compiled_graph: bool = False  # ray: every rank's micro-batch call as one Ray Compiled
-    #                               Graph execution (0.36 ms a call on this machine's 3
-    #                               actors against 5.3 ms of one Ray task per rank); opt-in:
-    #                               no faster end to end here, and in Ray 2.60 an actor dying
-    #                               while the graph is idle can crash the driver
-    #                               (docs/distributed.md)
+    compiled_graph: bool | str = "auto"  # ray: every rank's micro-batch call as one Ray
+    #                               Compiled Graph execution (docs/distributed.md); "auto":
+    #                               where it pays (`ray_graph.graph_pays`: a GPU per worker,
+    #                               or tp * pp + 1 CPUs; its polling channels took the
+    #                               stages' CPU on this 2-core machine, so off here)
     # CPU fast paths (docs/performance.md); neither changes anything on CUDA
     prepack: bool = True  # linear layers on prepacked oneDNN weights (CPU, float32/bfloat16,
     #                       tp = 1 layers; results differ from plain torch by fp32 rounding)

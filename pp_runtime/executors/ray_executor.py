@@ -203,7 +203,8 @@ class RayExecutor(CompiledGraphPath):
         spans = self._gather([self._call(s * self.tp, "layers") for s in range(self.pp)],
                              rt.startup_timeout_s, "reporting its layers")
         self.layer_split = [hi - lo for lo, hi in spans]  # what the workers hold (reports)
-        if rt.compiled_graph:
+        self.graph = self._graph_wanted()  # runtime.compiled_graph; auto: ray_graph.graph_on
+        if self.graph:
             self.dag = self._compile()
 
     def _call(self, i: int, method: str, *args):
@@ -213,7 +214,8 @@ class RayExecutor(CompiledGraphPath):
 
     # ---- the executor interface --------------------------------------------------------
     def describe(self) -> str:
-        return f"ray ({len(self.actors)} actors, {self.backend})"
+        how = "compiled graph" if self.graph else "a task per actor"
+        return f"ray ({len(self.actors)} actors, {self.backend}, {how})"
 
     def submit(self, mb: MicroBatch) -> tuple[int, list]:
         if self.dag is not None:

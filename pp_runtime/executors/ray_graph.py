@@ -7,8 +7,52 @@ import time
 
 from pp_runtime.core.errors import CheckpointError, ConfigError, WorkerFailed
 
+GRAPH_AUTO = "auto"  # runtime.compiled_graph: decided by `graph_on` from the cluster
+
+
+def graph_on(cfg, device: str, resources: dict, cores: int | None = None) -> bool:
+    """Whether the stages run as one compiled graph: `runtime.compiled_graph` as given;
+    auto: where it pays (`graph_pays`)."""
+    setting = cfg.runtime.compiled_graph
+    if setting != GRAPH_AUTO:
+        return bool(setting)
+    return graph_pays(cfg, device, resources, cores)
+
+
+def graph_pays(cfg, device: str, resources: dict, cores: int | None = None) -> bool:
+    """Where the graph pays: every stage has a processor of its own for the graph's
+    channels to poll on: the actors run on CUDA (`ray_device` gave each its GPU), or the
+    cluster has a CPU per worker and one for the driver (tp * pp + 1). On fewer CPUs the
+    polling takes the stages' compute (docs/distributed.md). `resources`:
+    `ray.cluster_resources()`; `cores`: this machine's cores where the cluster is this
+    machine alone (a local Ray may declare more logical CPUs than there are cores; the
+    cores are what is shared)."""
+    if device == "cuda":
+        return True
+    cpus = resources.get("CPU", 0)
+    if cores is not None:
+        cpus = min(cpus, cores)
+    return cpus >= cfg.parallel.tp * cfg.parallel.pp + 1
+
+
+def local_cores(ray) -> int | None:
+    """This machine's cores when the Ray cluster is this machine alone, else None."""
+    import os
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    here = ray.util.get_node_ip_address()
+    if len(nodes) != 1 or nodes[0].get("NodeManagerAddress") != here:
+        return None
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
 
 class CompiledGraphPath:
+    graph = False  # the stages run as one compiled graph (decided in `_start`)
+
+    def _graph_wanted(self) -> bool:
+        """`graph_on` for this executor's cluster, once, on the driver, after `ray_device`."""
+        return graph_on(self.cfg, self.device, self.ray.cluster_resources(), local_cores(self.ray))
+
     def _compile(self):
         """Every rank's `execute(mb)` as one compiled graph: one `execute` per micro-batch."""
         from ray.dag import InputNode, MultiOutputNode
