@@ -48,12 +48,14 @@ def generate(path, **overrides):
     return [o.token_ids for o in outs], seen, executor
 
 
-@pytest.mark.parametrize("tp, pp, graph", [(2, 2, True), (1, 2, True), (2, 2, False)],
-                         ids=["tp2-pp2-graph", "tp1-pp2-graph", "tp2-pp2-tasks"])
+@pytest.mark.parametrize("tp, pp, graph", [(2, 2, True), (1, 2, True), (1, 3, True), (2, 2, False)],
+                         ids=["tp2-pp2-graph", "tp1-pp2-graph", "tp1-pp3-graph", "tp2-pp2-tasks"])
 def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, graph, monkeypatch):
     from ray.dag.compiled_dag_node import CompiledDAG
 
     family, _, path = hf_checkpoint
+    if pp == 3 and family != "gpt":
+        pytest.skip("PP = 3 on the graph: one family is enough (the suite's time)")
     reference, _, ex = generate(path, executor="local", pp=1)
     assert ex.name == "local"
     from pp_runtime.executors.ray_executor import RayExecutor
