@@ -10,21 +10,28 @@ Each actor is given that device; Ray shows an actor with `num_gpus=1` only its o
 as cuda:0, so `device: cuda:N` is rejected. After the process groups are up every rank
 warms its communicators up (`parallel/p2p.warm_up`) before the first micro-batch.
 
-For every micro-batch the driver submits `execute(mb)` to every actor in rank order, the
-`MicroBatch` by value (inlined in each task: cheaper than one `ray.put` at this size).
-With `runtime.compiled_graph` (opt-in, docs/distributed.md) every rank's `execute` is
-joined into one Ray Compiled Graph instead (`ray.dag`, `experimental_compile`): a
-micro-batch is one `dag.execute(mb)` that reaches every actor through the graph's
-channels. Either way an actor runs its micro-batches in submission order, so
-point-to-point pairs always match and up to `in_flight` micro-batches overlap in the
-pipeline (activations go between stages over torch.distributed, not through the graph).
-`wait` collects one result per actor: token ids from TP rank 0 of the last stage, a
-`StageTiming` from everyone.
+For every micro-batch the driver submits `execute(mb)` to TP rank 0 of every stage, in
+stage order (pp calls), the `MicroBatch` by value (inlined in each task: cheaper than one
+`ray.put` at this size). With tp > 1, that rank relays the plan to its TP peers over a gloo
+control group of the stage (typed JSON, `executors/control.py`), and returns every TP
+rank's timing; the peers each run one long-lived `follow()` call, in a Ray concurrency
+group of its own (`executors/ray_relay.py`). With `runtime.compiled_graph` (opt-in,
+docs/distributed.md) every rank's `execute` is joined into one Ray Compiled Graph instead
+(`ray.dag`, `experimental_compile`): a micro-batch is one `dag.execute(mb)` that reaches
+every actor through the graph's channels. Either way an actor runs its micro-batches in
+submission order, so point-to-point pairs always match and up to `in_flight`
+micro-batches overlap in the pipeline (activations go between stages over
+torch.distributed, not through the graph).
+`wait` collects the token ids from TP rank 0 of the last stage and a `StageTiming` from
+every rank, in rank order.
 
 Faults: an actor that dies, a call that raises, or a rank that does not finish within
 `runtime.step_timeout_s` (or `startup_timeout_s` while starting) raises `WorkerFailed`
-naming the stage and rank; the driver then ends every unfinished request with finish
-reason `error`, and `shutdown()` kills every actor and removes the placement group.
+naming the stage and rank (with the relay: the driver waits on every `follow()` call with
+each micro-batch, so a follower that dies is named at once, and a hung one is told apart
+from its waiting TP rank 0 by `progress`); the driver then ends every unfinished request
+with finish reason `error`, and `shutdown()` kills every actor and removes the placement
+group.
 An interrupt (Ctrl-C, SIGTERM) while starting or running ends the same way, and a local
 Ray the executor started is stopped with every process of it (`shutdown_ray`): nothing is
 left running or listening (docs/errors.md).

@@ -15,8 +15,9 @@ stage calls of every micro-batch: a follower that dies or raises ends its follow
 with an error, named at once (not after `runtime.step_timeout_s`). A follower that hangs
 leaves its TP rank 0 blocked in a TP collective or on its timing; after the step timeout
 the rank that is furthest behind (`StageActor.progress`: micro-batches started and
-finished) is named. `RelayPath` is mixed into `RayExecutor`, which holds `actors`, `tp`,
-`pp`, `ray`, `_call`, `_name`, `_wait`, `_failure` and `_behind`.
+finished) is named. `RelayMember` is the actors' side, mixed into `StageActor`;
+`RelayPath` the driver's, mixed into `RayExecutor`, which holds `actors`, `tp`, `pp`,
+`ray`, `_call`, `_name`, `_wait`, `_failure` and `_behind`.
 """
 from __future__ import annotations
 
