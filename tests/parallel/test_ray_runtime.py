@@ -39,11 +39,12 @@ def local_ray():
     ray.shutdown()
 
 
-def generate(path, **overrides):
+def generate(path, results=None, **overrides):
     seen = []
     with LLM.from_pretrained(path, **PLAN, **overrides) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True),
-                            on_microbatch=lambda mb, out: seen.append(mb))
+                            on_microbatch=lambda mb, out: (seen.append(mb),
+                                                           results is not None and results.append(out)))
         executor = llm.executor
     return [o.token_ids for o in outs], seen, executor
 
@@ -66,9 +67,13 @@ def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, graph, 
     monkeypatch.setattr(RayExecutor, "_call", lambda ex, i, method, *args: (
         calls.append((i, method)), method == "execute" and puts.append(args[0]),
         call(ex, i, method, *args))[2])
-    tokens, mbs, ex = generate(path, tp=tp, pp=pp, compiled_graph=graph)
+    results = []
+    tokens, mbs, ex = generate(path, results, tp=tp, pp=pp, compiled_graph=graph)
     assert ex.name == "ray"
     assert tokens == reference
+    # every rank's timing of that micro-batch, in rank order (the relay brings TP peers')
+    assert [[(t.mb_id, t.stage, t.tp_rank) for t in out.timings] for out in results] == [
+        [(mb.mb_id, r // tp, r % tp) for r in range(tp * pp)] for mb in mbs]
     # the plans really mixed chunked prefills and piggybacked decodes
     assert any(mb.num_decodes and mb.num_prefill_tokens for mb in mbs)
     assert any(s.start > 0 and not s.is_decode for mb in mbs for s in mb.seqs)
