@@ -287,7 +287,7 @@ class RayExecutor(CompiledGraphPath, RelayPath):
             try:
                 ray.get(ref)
             except Exception as exc:  # RayActorError: the actor's process is gone
-                self.dag_broken = True
+                self.dag_broken = self.relay_broken = True
                 raise WorkerFailed(f"{self._name(refs.index(ref))} is dead: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
         return len(ready) == len(refs)

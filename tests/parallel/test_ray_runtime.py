@@ -283,6 +283,24 @@ def test_a_hung_follower_ends_the_run_after_the_step_timeout_naming_it():
     assert since < 30, since
 
 
+def test_the_liveness_probe_reaches_busy_followers_and_names_a_dead_one():
+    """TP2 x PP2 on the relay, idle: every follower answers a ping while its follow loop
+    holds its thread; one killed is named by the probe, and shutdown kills the rest."""
+    llm = LLM(tiny(tp=2))
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    ex, actors = llm.executor, list(llm.executor.actors)
+    assert len(ex.follows) == 2 and ex.ping(10)
+    ray.kill(actors[1])
+    with pytest.raises(WorkerFailed, match="stage 0 tp rank 1 is dead"):
+        ex.ping(10)
+    t0 = time.perf_counter()
+    llm.shutdown()
+    assert time.perf_counter() - t0 < 10
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.ping.remote(), timeout=30)
+
+
 def test_the_device_is_decided_once_on_the_driver():
     """What every actor is given (the actors themselves never look at runtime.device)."""
     four_gpus, none = {"CPU": 8, "GPU": 4}, {"CPU": 8}
