@@ -40,11 +40,12 @@ def local_ray():
 
 
 def generate(path, results=None, **overrides):
-    seen = []
+    """(token ids per prompt, the micro-batches, the executor); each micro-batch's
+    SampledTokens appended to `results` if given."""
+    seen, results = [], [] if results is None else results
     with LLM.from_pretrained(path, **PLAN, **overrides) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True),
-                            on_microbatch=lambda mb, out: (seen.append(mb),
-                                                           results is not None and results.append(out)))
+                            on_microbatch=lambda mb, out: (seen.append(mb), results.append(out)))
         executor = llm.executor
     return [o.token_ids for o in outs], seen, executor
 
