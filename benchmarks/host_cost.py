@@ -9,7 +9,7 @@ compiled-graph execution; torchrun: one broadcast, rank 0's own stage work hande
 call's trip to an idle stage, each stage's gap between two calls, the result's trip back;
 plus the compute fit under contention.
 
-    python benchmarks/host_cost.py [--models tiny,cpu/gpt2_pp2] [--pp 2,3,4]
+    python benchmarks/host_cost.py [--models tiny,cpu/gpt2_pp2] [--pp 2,3,4] [--tp 2]
         [--executors ray,torchrun] [--requests 6] [--set compiled_graph=true]
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ def torchrun_rank(rank: int, world: int, cfg, profile: str, requests: int, port:
     import torch
     import torch.distributed as dist
 
-    from pp_runtime.executors.torchrun_executor import ControlChannel, TorchrunExecutor, serve
+    from pp_runtime.executors.control import ControlChannel
+    from pp_runtime.executors.torchrun_executor import TorchrunExecutor, serve
     from pp_runtime.cli.torchrun import keep_on_loopback
     from pp_runtime.parallel.groups import destroy, stage_groups
     from pp_runtime.parallel.p2p import warm_up
@@ -79,6 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny,cpu/gpt2_pp2", help="shipped configs")
     ap.add_argument("--pp", default="2,3,4")
+    ap.add_argument("--tp", type=int, default=1, help="TP ranks per stage")
     ap.add_argument("--executors", default="ray,torchrun")
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -94,9 +96,10 @@ def main() -> None:
     for name in args.models.split(","):
         for pp in map(int, args.pp.split(",")):
             with tempfile.TemporaryDirectory() as d:
-                measure_profile(load_config(name, pp=pp), d, quick=True, progress=False)
+                measure_profile(load_config(name, pp=pp, tp=args.tp), d, quick=True, progress=False)
                 for kind in args.executors.split(","):
-                    cfg = load_config(name, pp=pp, executor=kind, threads_per_worker=1, **sets)
+                    cfg = load_config(name, pp=pp, tp=args.tp, executor=kind, threads_per_worker=1,
+                                      **sets)
                     cal = (calibrate_torchrun(cfg, d, args.requests) if kind == "torchrun" else
                            calibrate(cfg, d, requests=args.requests, whole_prompts=False, save=False))
                     h, c = cal.host, cal.compute

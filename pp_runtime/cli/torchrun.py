@@ -70,7 +70,8 @@ def keep_on_loopback(master_addr: str) -> None:
 
 def run_rank(cfg: Config, rank: int, world: int, local_rank: int, local_world: int,
              checkpoint: str | None, out: Path, quiet: bool) -> int:
-    from pp_runtime.executors.torchrun_executor import ControlChannel, TorchrunExecutor, serve
+    from pp_runtime.executors.control import ControlChannel
+    from pp_runtime.executors.torchrun_executor import TorchrunExecutor, serve
     from pp_runtime.parallel.groups import destroy, stage_groups
     from pp_runtime.parallel.p2p import warm_up
     from pp_runtime.worker.stage import StageWorker

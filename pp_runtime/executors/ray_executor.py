@@ -10,21 +10,28 @@ Each actor is given that device; Ray shows an actor with `num_gpus=1` only its o
 as cuda:0, so `device: cuda:N` is rejected. After the process groups are up every rank
 warms its communicators up (`parallel/p2p.warm_up`) before the first micro-batch.
 
-For every micro-batch the driver submits `execute(mb)` to every actor in rank order, the
-`MicroBatch` by value (inlined in each task: cheaper than one `ray.put` at this size).
-With `runtime.compiled_graph` (opt-in, docs/distributed.md) every rank's `execute` is
-joined into one Ray Compiled Graph instead (`ray.dag`, `experimental_compile`): a
-micro-batch is one `dag.execute(mb)` that reaches every actor through the graph's
-channels. Either way an actor runs its micro-batches in submission order, so
-point-to-point pairs always match and up to `in_flight` micro-batches overlap in the
-pipeline (activations go between stages over torch.distributed, not through the graph).
-`wait` collects one result per actor: token ids from TP rank 0 of the last stage, a
-`StageTiming` from everyone.
+For every micro-batch the driver submits `execute(mb)` to TP rank 0 of every stage, in
+stage order (pp calls), the `MicroBatch` by value (inlined in each task: cheaper than one
+`ray.put` at this size). With tp > 1, that rank relays the plan to its TP peers over a gloo
+control group of the stage (typed JSON, `executors/control.py`), and returns every TP
+rank's timing; the peers each run one long-lived `follow()` call, in a Ray concurrency
+group of its own (`executors/ray_relay.py`). With the compiled graph (`runtime.compiled_graph`:
+auto, on where every stage has a GPU or a core of its own; docs/distributed.md) every rank's `execute` is joined into one Ray Compiled Graph instead
+(`ray.dag`, `experimental_compile`): a micro-batch is one `dag.execute(mb)` that reaches
+every actor through the graph's channels. Either way an actor runs its micro-batches in
+submission order, so point-to-point pairs always match and up to `in_flight`
+micro-batches overlap in the pipeline (activations go between stages over
+torch.distributed, not through the graph).
+`wait` collects the token ids from TP rank 0 of the last stage and a `StageTiming` from
+every rank, in rank order.
 
 Faults: an actor that dies, a call that raises, or a rank that does not finish within
 `runtime.step_timeout_s` (or `startup_timeout_s` while starting) raises `WorkerFailed`
-naming the stage and rank; the driver then ends every unfinished request with finish
-reason `error`, and `shutdown()` kills every actor and removes the placement group.
+naming the stage and rank (with the relay: the driver waits on every `follow()` call with
+each micro-batch, so a follower that dies is named at once, and a hung one is told apart
+from its waiting TP rank 0 by `progress`); the driver then ends every unfinished request
+with finish reason `error`, and `shutdown()` kills every actor and removes the placement
+group.
 An interrupt (Ctrl-C, SIGTERM) while starting or running ends the same way, and a local
 Ray the executor started is stopped with every process of it (`shutdown_ray`): nothing is
 left running or listening (docs/errors.md).
@@ -51,14 +58,19 @@ from pp_runtime.core.errors import CheckpointError, ConfigError, StartCancelled,
 from pp_runtime.executors.local_ray import shutdown_ray, start_ray
 from pp_runtime.executors.ray_graph import CompiledGraphPath, teardown
 from pp_runtime.executors.ray_graph import first_line as _first_line
+from pp_runtime.executors.ray_relay import RelayMember, RelayPath
 from pp_runtime.parallel.groups import DistSpec, free_port
 from pp_runtime.telemetry.metrics import deployment_tag
 
 CANCEL_POLL_S = 0.2  # how often a start that may be cancelled looks at its event
 NAMESPACE = "pp_runtime"  # Ray namespace of every stage actor (`ray list actors` shows it)
+# concurrency groups besides the default one (which runs `execute` in submission order):
+# the relay's follow loop holds one; probes and fault injection answer from the other
+CONCURRENCY_GROUPS = {"relay": 1, "control": 1}
+METHOD_GROUPS = {"follow": "relay", "ping": "control", "progress": "control", "sleep": "control"}
 
 
-class StageActor:
+class StageActor(RelayMember):
     """The body of one Ray actor: a `StageWorker` for (stage, tp_rank) in its own process,
     on the device the driver decided ("cuda": the one GPU Ray gave it, or "cpu")."""
 
@@ -73,7 +85,8 @@ class StageActor:
                               or max(1, (os.cpu_count() or 1) // workers_here))
         self.cfg, self.stage, self.tp_rank, self.checkpoint = cfg, stage, tp_rank, checkpoint
         self.device = resolve_device(device)  # raises if Ray gave this actor no GPU
-        self.worker = None
+        self.worker, self.relay, self.following = None, None, False
+        self.stall_s, self.started, self.done = 0.0, 0, 0
         lo, hi = cfg.stage_layers(stage)
         self.label = (f"stage={stage} tp_rank={tp_rank} layers [{lo}, {hi}) "
                       f"node {ray.util.get_node_ip_address()}")
@@ -88,24 +101,34 @@ class StageActor:
         addr = "127.0.0.1" if local else ray.util.get_node_ip_address()
         return addr, free_port(addr)
 
-    def start(self, spec: DistSpec) -> list[str]:
-        """Join the process group, warm its communicators up, build the worker; returns
-        what the warm-up exchanged (`parallel/p2p.warm_up`)."""
+    def start(self, spec: DistSpec, relay: bool = False) -> list[str]:
+        """Join the process group (and, with `relay`, the stage's control channel: every
+        rank creates every stage's, in order), warm its communicators up, build the
+        worker; returns what the warm-up exchanged (`parallel/p2p.warm_up`)."""
         from pp_runtime.parallel.groups import init_distributed
         from pp_runtime.parallel.p2p import warm_up
         from pp_runtime.worker.stage import StageWorker
 
-        groups = init_distributed(spec, self.stage * spec.tp + self.tp_rank)
+        rank = self.stage * spec.tp + self.tp_rank
+        groups = init_distributed(spec, rank)
+        if relay:  # every rank creates every stage's control group, in stage order
+            self.join_relay(spec, rank)
         warmed = warm_up(groups, self.device)
         self.worker = StageWorker(self.cfg, self.stage, self.device, self.checkpoint, groups)
         return warmed
 
     def execute(self, mb: MicroBatch):
-        stall, self.stall_s = getattr(self, "stall_s", 0.0), 0.0
+        """(tokens or None, timing); under the relay (TP rank 0 only), the plan goes to
+        the stage's other TP ranks first and the timings are every TP rank's, in order."""
+        return self._run(mb) if self.relay is None else self.lead(mb)
+
+    def _run(self, mb: MicroBatch):
+        stall, self.stall_s = self.stall_s, 0.0
         if stall:
             time.sleep(stall)
+        self.started += 1
         out, timing = self.worker.execute(mb)
-        self.done = getattr(self, "done", 0) + 1
+        self.done += 1
         tokens = out.tokens if isinstance(out, SampledTokens) and self.tp_rank == 0 else None
         return tokens, timing
 
@@ -114,9 +137,11 @@ class StageActor:
         return self.worker.lo, self.worker.hi
 
     def progress(self) -> int:
-        """Micro-batches this rank has finished (answered from outside the compiled graph's
-        thread: the hung rank is the one furthest behind)."""
-        return getattr(self, "done", 0)
+        """Micro-batches this rank has started plus those it has finished (answered from
+        its own concurrency group, outside the compiled graph's thread and the follow
+        loop): the hung rank is the one furthest behind, also where its TP peers wait for
+        it inside the same micro-batch."""
+        return self.started + self.done
 
     def ping(self) -> bool:
         """The liveness probe's call: answering is the proof of life."""
@@ -130,12 +155,23 @@ class StageActor:
     def shutdown(self) -> None:
         from pp_runtime.parallel.groups import destroy
 
+        if self.following:  # its loop still holds the process groups: the kill ends both
+            return
+        if self.relay is not None:
+            self.relay.flush()
         if self.worker is not None and self.worker.link is not None:
             self.worker.link.flush()
         destroy()
 
 
-class RayExecutor(CompiledGraphPath):
+def stage_actor_class(ray):
+    """`StageActor` as a Ray actor class, each method in its concurrency group."""
+    for method, group in METHOD_GROUPS.items():
+        ray.method(concurrency_group=group)(getattr(StageActor, method))
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageActor)
+
+
+class RayExecutor(CompiledGraphPath, RelayPath):
     name = "ray"
 
     def __init__(self, cfg: Config, checkpoint: str | Path | None = None,
@@ -150,6 +186,7 @@ class RayExecutor(CompiledGraphPath):
         self._owns_ray = not ray.is_initialized()
         self.actors, self._pgs = [], []  # what _release frees
         self.dag, self.dag_broken = None, False  # the compiled graph, once the workers are up
+        self.follows, self.relay_broken = {}, False  # the relay (tp > 1, tasks), once up
         # an executor dropped without shutdown() still frees its actors when collected
         self._finalizer = weakref.finalize(self, _release, self.actors, self._pgs, False)
         try:
@@ -181,7 +218,7 @@ class RayExecutor(CompiledGraphPath):
         if not self._wait([pg.ready()], time.monotonic() + rt.startup_timeout_s)[0]:
             raise WorkerFailed(f"Ray could not place {self.pp} stages of {bundle} within "
                                f"{rt.startup_timeout_s} s; is the cluster big enough?") from None
-        actor_cls = ray.remote(StageActor)
+        actor_cls = stage_actor_class(ray)
         ckpt = str(checkpoint) if checkpoint is not None else None
         prefix = f"pp-{deployment_tag(cfg)}-{uuid.uuid4().hex[:6]}"  # unique per executor
         self.actor_names = [f"{prefix}-s{s}-tp{r}" for s in range(self.pp) for r in range(self.tp)]
@@ -196,8 +233,8 @@ class RayExecutor(CompiledGraphPath):
                                   rt.startup_timeout_s, "finding a rendezvous address")[0]
         spec = DistSpec(rt.dist_addr or addr, rt.dist_port or port, self.tp, self.pp,
                         self.backend, rt.step_timeout_s)
-        ranks = range(len(self.actors))
-        self.warm_ups = self._gather([self._call(i, "start", spec) for i in ranks],
+        ranks, relay = range(len(self.actors)), self.tp > 1 and not rt.compiled_graph
+        self.warm_ups = self._gather([self._call(i, "start", spec, relay) for i in ranks],
                                      rt.startup_timeout_s,
                                      "joining the process group and loading weights")
         spans = self._gather([self._call(s * self.tp, "layers") for s in range(self.pp)],
@@ -206,6 +243,8 @@ class RayExecutor(CompiledGraphPath):
         self.graph = self._graph_wanted()  # runtime.compiled_graph; auto: ray_graph.graph_on
         if self.graph:
             self.dag = self._compile()
+        elif relay:
+            self._start_relay()
 
     def _call(self, i: int, method: str, *args):
         """`actor.method.remote(*args)` on actor i, as a task named `stage<s>-tp<r>.method`."""
@@ -225,11 +264,17 @@ class RayExecutor(CompiledGraphPath):
                 raise self._graph_failure(exc, f"micro-batch {mb.mb_id}") from exc
         # by value: Ray inlines an argument under 100 KiB in each task (a plan is ~10 bytes
         # a token), where a `ray.put` cost ~3.5 ms more per micro-batch (docs/distributed.md)
+        if self.follows:  # tp > 1: one call per stage, its TP rank 0 relays (ray_relay.py)
+            return mb.mb_id, self._submit_relay(mb)
         return mb.mb_id, [self._call(i, "execute", mb) for i in range(len(self.actors))]
 
     def wait(self, handle: tuple[int, list]) -> SampledTokens:
         mb_id, refs = handle
         what, timeout = f"micro-batch {mb_id}", self.cfg.runtime.step_timeout_s
+        if self.follows:  # one (tokens, [timing per TP rank]) per stage
+            results = self._gather_relay(refs, timeout, what)
+            timings = tuple(t for _, stage in results for t in stage)  # global rank order
+            return SampledTokens(mb_id, results[-1][0], timings)
         gather = self._gather_graph if self.dag is not None else self._gather
         results = gather(refs, timeout, what)
         last = (self.pp - 1) * self.tp  # TP rank 0 of the last stage samples
@@ -244,7 +289,7 @@ class RayExecutor(CompiledGraphPath):
             try:
                 ray.get(ref)
             except Exception as exc:  # RayActorError: the actor's process is gone
-                self.dag_broken = True
+                self.dag_broken = self.relay_broken = True
                 raise WorkerFailed(f"{self._name(refs.index(ref))} is dead: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
         return len(ready) == len(refs)
@@ -262,16 +307,21 @@ class RayExecutor(CompiledGraphPath):
             try:
                 results[i] = ray.get(ready[0])  # each result fetched once, as it comes
             except Exception as exc:  # RayActorError (died), RayTaskError (raised)
-                cause = getattr(exc, "cause", None)  # a RayTaskError's original exception
-                if isinstance(cause, (CheckpointError, ConfigError)):  # the user's to fix
-                    raise type(cause)(f"{self._name(i)}: {cause}") from exc
-                raise WorkerFailed(f"{self._name(i)} failed during {what}: "
-                                   f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                raise self._failure(i, exc, what) from exc
         if pending:
             first = min(index[r] for r in pending)
             raise WorkerFailed(f"{self._name(first)} did not finish {what} within {timeout_s:g} s "
                                f"(runtime.step_timeout_s / startup_timeout_s)")
         return results
+
+    def _failure(self, i: int, exc: BaseException, what: str) -> Exception:
+        """Rank i's failed call as the error to raise: its CheckpointError or ConfigError
+        (the user's to fix) named, anything else as WorkerFailed."""
+        cause = getattr(exc, "cause", None)  # a RayTaskError's original exception
+        if isinstance(cause, (CheckpointError, ConfigError)):
+            return type(cause)(f"{self._name(i)}: {cause}")
+        return WorkerFailed(f"{self._name(i)} failed during {what}: "
+                            f"{type(exc).__name__}: {_first_line(exc)}")
 
     def _wait(self, pending: list, deadline: float) -> tuple[list, list]:
         """ray.wait for one of `pending` until `deadline`, in slices while a cancel event is
@@ -296,13 +346,14 @@ class RayExecutor(CompiledGraphPath):
         dag, self.dag = self.dag, None
         if dag is not None and not self.dag_broken:
             teardown(dag)
-        _release(self.actors, self._pgs, self._owns_ray)
+        graceful = self._stop_relay()  # after a fault the followers are killed, not asked
+        _release(self.actors, self._pgs, self._owns_ray, graceful)
         if dag is not None and self.dag_broken:
             teardown(dag, broken=True)
         self._owns_ray = False
 
 
-def _release(actors: list, pgs: list, stop_ray: bool) -> None:
+def _release(actors: list, pgs: list, stop_ray: bool, graceful: bool = True) -> None:
     import ray
 
     if not ray.is_initialized():
@@ -310,8 +361,10 @@ def _release(actors: list, pgs: list, stop_ray: bool) -> None:
             shutdown_ray()
         return
     if actors:
-        try:  # a clean exit where the actor still answers; killed either way
-            ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=5)
+        try:  # a clean exit where the actor still answers (graceful); killed either way
+            if graceful:
+                ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors),
+                         timeout=5)
         except Exception:
             pass
         for a in actors:

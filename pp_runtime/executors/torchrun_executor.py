@@ -7,11 +7,10 @@ world - 1 sends) and hands rank 0's own stage-0 work to a thread of its own, so 
 plans the next micro-batch while stage 0 computes this one (the thread takes them in
 order; torch releases the GIL while it computes). The other ranks (`serve`) take plans in
 order, execute them, and send back `(token ids or None, StageTiming)`. `wait(mb)` collects
-those in rank order, rank 0's from its thread. Sends on the
-control channel never block (isend, async broadcast), so a rank busy with its stage never
-stalls another.
-Messages are JSON typed by the dataclasses (`executors/wire.py`), never pickles: a peer that
-reached the unauthenticated rendezvous can send bad data, not code.
+those in rank order, rank 0's from its thread. The control channel (`executors/control.py`,
+rooted at rank 0) never blocks a send (isend, async broadcast), so a rank busy with its
+stage never stalls another. Messages are JSON typed by the dataclasses
+(`executors/wire.py`), never pickles.
 
 A rank that dies takes the job down through torchrun's agent; a rank that hangs makes the
 others fail after the process group's timeout (`runtime.step_timeout_s`).
@@ -20,61 +19,12 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
 import torch.distributed as dist
 
 from pp_runtime.executors import wire
+from pp_runtime.executors.control import ControlChannel
 from pp_runtime.core.batch import MicroBatch, SampledTokens
 from pp_runtime.worker.stage import StageWorker
-
-MAX_MESSAGE_BYTES = 1 << 24  # a plan is ~10 bytes per token; a bigger size is not ours
-
-
-class ControlChannel:
-    """Typed messages between ranks over a gloo group: a size, then the JSON bytes."""
-
-    def __init__(self, group) -> None:
-        self.group = group
-        self._pending: list = []  # (work, tensors) of sends not known to be done
-
-    def send(self, value: object, schema: object, dst: int) -> None:
-        payload = torch.frombuffer(bytearray(wire.encode(value, schema)), dtype=torch.uint8)  # [n]
-        size = torch.tensor([payload.numel()], dtype=torch.long)
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        for t in (size, payload):
-            self._pending.append((dist.isend(t, dst=dst, group=self.group), t))
-
-    def broadcast(self, value: object, schema: object) -> None:
-        """Rank 0 to every other rank at once (one gloo broadcast for the size, one for the
-        bytes), asynchronous like `send`: a busy rank takes it when it is ready."""
-        payload = torch.frombuffer(bytearray(wire.encode(value, schema)), dtype=torch.uint8)  # [n]
-        size = torch.tensor([payload.numel()], dtype=torch.long)
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        for t in (size, payload):
-            self._pending.append((dist.broadcast(t, src=0, group=self.group, async_op=True), t))
-
-    def recv(self, src: int, schema: object) -> object:
-        return self._receive(src, schema, lambda t: dist.recv(t, src=src, group=self.group))
-
-    def recv_broadcast(self, schema: object) -> object:
-        """The next message `broadcast` by rank 0."""
-        return self._receive(0, schema, lambda t: dist.broadcast(t, src=0, group=self.group))
-
-    @staticmethod
-    def _receive(src: int, schema: object, take) -> object:
-        size = torch.empty(1, dtype=torch.long)
-        take(size)
-        n = int(size.item())
-        if not 0 < n <= MAX_MESSAGE_BYTES:
-            raise wire.WireError(f"control message of {n} bytes from rank {src}")
-        payload = torch.empty(n, dtype=torch.uint8)
-        take(payload)
-        return wire.decode(payload.numpy().tobytes(), schema)
-
-    def flush(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
-        self._pending = []
 
 
 def _result(worker: StageWorker, out) -> object:

@@ -103,6 +103,17 @@ def stage_groups(tp: int, pp: int, rank: int) -> StageGroups:
     return StageGroups(tp, pp, rank, tp_groups[rank // tp])
 
 
+def stage_control_group(tp: int, pp: int, rank: int, timeout_s: float):
+    """A gloo group over every stage's TP ranks, created on every rank in stage order (as
+    `stage_groups`); returns this rank's. It carries the Ray relay's plans and timings
+    (`executors/ray_relay.py`): on the CPU whatever the activations' backend, and apart from
+    the TP group the model's collectives use. `timeout_s` bounds each receive: a follower
+    waits for its next plan as long as the deployment is idle."""
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), backend="gloo",
+                             timeout=timedelta(seconds=timeout_s)) for s in range(pp)]
+    return groups[rank // tp]
+
+
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

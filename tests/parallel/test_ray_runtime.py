@@ -39,11 +39,13 @@ def local_ray():
     ray.shutdown()
 
 
-def generate(path, **overrides):
-    seen = []
+def generate(path, results=None, **overrides):
+    """(token ids per prompt, the micro-batches, the executor); each micro-batch's
+    SampledTokens appended to `results` if given."""
+    seen, results = [], [] if results is None else results
     with LLM.from_pretrained(path, **PLAN, **overrides) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True),
-                            on_microbatch=lambda mb, out: seen.append(mb))
+                            on_microbatch=lambda mb, out: (seen.append(mb), results.append(out)))
         executor = llm.executor
     return [o.token_ids for o in outs], seen, executor
 
@@ -64,21 +66,32 @@ def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, graph, 
     monkeypatch.setattr(ray, "put", lambda obj, **kw: (stored.append(obj), put(obj, **kw))[1])
     execute = CompiledDAG.execute  # the compiled graph: one execute per micro-batch, for all ranks
     monkeypatch.setattr(CompiledDAG, "execute", lambda dag, mb: (puts.append(mb), execute(dag, mb))[1])
-    call = RayExecutor._call  # tasks: one execute(mb) per actor, the plan by value
+    call, calls = RayExecutor._call, []  # tasks: one execute(mb) per stage, the plan by value
     monkeypatch.setattr(RayExecutor, "_call", lambda ex, i, method, *args: (
-        method == "execute" and puts.append(args[0]), call(ex, i, method, *args))[1])
-    tokens, mbs, ex = generate(path, tp=tp, pp=pp, compiled_graph=graph)
+        calls.append((i, method)), method == "execute" and puts.append(args[0]),
+        call(ex, i, method, *args))[2])
+    results = []
+    tokens, mbs, ex = generate(path, results, tp=tp, pp=pp, compiled_graph=graph)
     assert ex.name == "ray"
     assert tokens == reference
+    # every rank's timing of that micro-batch, in rank order (the relay brings TP peers')
+    assert [[(t.mb_id, t.stage, t.tp_rank) for t in out.timings] for out in results] == [
+        [(mb.mb_id, r // tp, r % tp) for r in range(tp * pp)] for mb in mbs]
     # the plans really mixed chunked prefills and piggybacked decodes
     assert any(mb.num_decodes and mb.num_prefill_tokens for mb in mbs)
     assert any(s.start > 0 and not s.is_decode for mb in mbs for s in mb.seqs)
     # each micro-batch went to Ray as one graph execution for all tp * pp actors, or by value
-    # in one task per actor (inlined: never through the object store)
-    per = 1 if graph else tp * pp
+    # in one task per stage, to its TP rank 0, which relays it to its TP peers (inlined:
+    # never through the object store)
+    per = 1 if graph else pp
     assert [mb.mb_id for mb in puts if isinstance(mb, MicroBatch)] == [
         mb.mb_id for mb in mbs for _ in range(per)]
     assert not [obj for obj in stored if isinstance(obj, MicroBatch)]
+    if not graph:  # pp task calls per micro-batch, not tp * pp; one follow per other TP rank
+        execs = [i for i, method in calls if method == "execute"]
+        assert execs == [s * tp for _ in mbs for s in range(pp)]
+        assert sorted(i for i, method in calls if method == "follow") == [
+            i for i in range(tp * pp) if i % tp]
     # before the first micro-batch: one all-reduce per TP group, one exchange per stage pair
     assert ex.warm_ups == [
         [f"all_reduce tp={tp}"] + ([f"recv from {r - tp}"] if r >= tp else [])
@@ -238,6 +251,57 @@ def test_a_hung_rank_ends_the_run_after_the_step_timeout(graph):
                                       compiled_graph=graph)
     assert "stage 1 tp rank 0 did not finish micro-batch" in msg, msg
     assert elapsed < 60
+
+
+def _injected(fault, at: list):
+    """`fault(actors)`, its time noted in `at`."""
+    return lambda actors: (at.append(time.perf_counter()), fault(actors))
+
+
+def test_a_killed_follower_ends_the_run_with_an_error_naming_it_at_once():
+    """TP2 x PP2 on the relay: stage 1's TP rank 1 (which only follows its TP rank 0) is
+    killed; its follow call fails and the error names it within seconds, not after the
+    step timeout."""
+    at = []
+    msg, _, actors = _run_with_fault(_injected(lambda actors: ray.kill(actors[3]), at), tp=2,
+                                     step_timeout_s=120.0)
+    since = time.perf_counter() - at[0]
+    assert "stage 1 tp rank 1 failed during micro-batch" in msg, msg
+    assert "ActorDied" in msg or "RayActorError" in msg, msg
+    assert since < 20, since
+    time.sleep(1)
+    for actor in actors[:3]:  # the others were killed too
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.ping.remote(), timeout=30)
+
+
+def test_a_hung_follower_ends_the_run_after_the_step_timeout_naming_it():
+    """TP2 x PP2 on the relay: stage 1's TP rank 1 stalls; its TP rank 0 waits for it in
+    their collectives, and after the step timeout the error names the follower."""
+    at = []
+    msg, _, _ = _run_with_fault(_injected(lambda actors: actors[3].sleep.remote(120), at),
+                                tp=2, step_timeout_s=4.0)
+    since = time.perf_counter() - at[0]
+    assert "stage 1 tp rank 1 did not finish micro-batch" in msg, msg
+    assert since < 30, since
+
+
+def test_the_liveness_probe_reaches_busy_followers_and_names_a_dead_one():
+    """TP2 x PP2 on the relay, idle: every follower answers a ping while its follow loop
+    holds its thread; one killed is named by the probe, and shutdown kills the rest."""
+    llm = LLM(tiny(tp=2))
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    ex, actors = llm.executor, list(llm.executor.actors)
+    assert len(ex.follows) == 2 and ex.ping(10)
+    ray.kill(actors[1])
+    with pytest.raises(WorkerFailed, match="stage 0 tp rank 1 is dead"):
+        ex.ping(10)
+    t0 = time.perf_counter()
+    llm.shutdown()
+    assert time.perf_counter() - t0 < 10
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.ping.remote(), timeout=30)
 
 
 def test_the_device_is_decided_once_on_the_driver():
