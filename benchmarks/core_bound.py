@@ -19,6 +19,8 @@ import argparse
 import os
 import time
 
+import yaml
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on 127.0.0.1
 
 from pp_runtime.config import load_config  # noqa: E402
@@ -92,8 +94,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="default: the config's")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     args = ap.parse_args()
-    sets = dict(kv.split("=", 1) for kv in args.set)
-    sets = {k: {"true": True, "false": False}.get(v, v) for k, v in sets.items()}
+    sets = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     for pp in map(int, args.pp.split(",")):
         cfg = load_config(args.config, pp=pp, executor="ray", threads_per_worker=1,
                           planner=args.planner, **sets)

@@ -233,14 +233,14 @@ class RayExecutor(CompiledGraphPath, RelayPath):
                                   rt.startup_timeout_s, "finding a rendezvous address")[0]
         spec = DistSpec(rt.dist_addr or addr, rt.dist_port or port, self.tp, self.pp,
                         self.backend, rt.step_timeout_s)
-        ranks, relay = range(len(self.actors)), self.tp > 1 and not rt.compiled_graph
+        self.graph = self._graph_wanted()  # runtime.compiled_graph; auto: ray_graph.graph_on
+        ranks, relay = range(len(self.actors)), self.tp > 1 and not self.graph
         self.warm_ups = self._gather([self._call(i, "start", spec, relay) for i in ranks],
                                      rt.startup_timeout_s,
                                      "joining the process group and loading weights")
         spans = self._gather([self._call(s * self.tp, "layers") for s in range(self.pp)],
                              rt.startup_timeout_s, "reporting its layers")
         self.layer_split = [hi - lo for lo, hi in spans]  # what the workers hold (reports)
-        self.graph = self._graph_wanted()  # runtime.compiled_graph; auto: ray_graph.graph_on
         if self.graph:
             self.dag = self._compile()
         elif relay:
