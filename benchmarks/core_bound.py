@@ -2,11 +2,12 @@
 
 Runs a config's workload on the Ray executor (one actor per stage, one torch thread each)
 and reads the kernel's scheduler statistics of every stage around the run
-(`/proc/PID/task/TID/schedstat`: nanoseconds on a CPU, nanoseconds runnable but waiting for
-one). A stage's calls run on its actor's main thread, so that thread's figures are the
-stage's. It prints, per stage, the report's busy and bubble shares of the stage's wall
-time beside the main thread's share on a CPU and waiting for a CPU, and the machine's cores
-in use over the run (`/proc/stat`). A stage that waits for a core is not computing, and the
+(`/proc/PID/task/TID/schedstat`, summed over the actor's threads: nanoseconds on a CPU,
+nanoseconds runnable but waiting for one; a stage's calls run on one of them, Ray's own
+threads mostly sleep). It prints, per stage, the report's busy and bubble shares of the
+stage's wall time beside its threads' time on a CPU and waiting for one (as shares of the
+wall time), the stage process's cores, and the machine's cores in use over the run
+(`/proc/stat`). A stage that waits for a core is not computing, and the
 stage after it then waits for it (an upstream or dependency bubble in the report) although
 the runtime had handed it work: on such a machine the bubble's floor is set by the cores.
 
@@ -30,9 +31,15 @@ from pp_runtime.telemetry.report import build_report  # noqa: E402
 
 
 def schedstat(pid: int) -> tuple[int, int]:
-    """(ns on a CPU, ns runnable waiting for a CPU) of process pid's main thread."""
-    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
-        on_cpu, waiting, _ = map(int, f.read().split())
+    """(ns on a CPU, ns runnable waiting for a CPU) of every thread of process pid."""
+    on_cpu = waiting = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                a, b, _ = map(int, f.read().split())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        on_cpu, waiting = on_cpu + a, waiting + b
     return on_cpu, waiting
 
 
@@ -58,14 +65,17 @@ def measure(cfg) -> None:
         procs = pids + [os.getpid()]  # the stages, then the driver
         before, cpu0, t0 = [schedstat(p) for p in pids], cores_busy(), time.perf_counter()
         cpu_before = [process_cpu(p) for p in procs]
-        last = {}
+        last, shutdown = {}, ex.shutdown
 
-        def note(mb, out):  # the latest reading: the run ends by shutting the actors down
-            last.update(after=[schedstat(p) for p in pids], cpu=cores_busy(),
-                        procs=[process_cpu(p) for p in procs],
-                        wall=time.perf_counter() - t0)
+        def read_then_shutdown():  # the run ends by shutting the actors down: read first
+            if not last:
+                last.update(after=[schedstat(p) for p in pids], cpu=cores_busy(),
+                            procs=[process_cpu(p) for p in procs],
+                            wall=time.perf_counter() - t0)
+            shutdown()
 
-        run = run_workload(cfg, executor=ex, on_microbatch=note)
+        ex.shutdown = read_then_shutdown
+        run = run_workload(cfg, executor=ex)
     finally:
         ex.shutdown()
     after, cpu1, wall = last["after"], last["cpu"], last["wall"]
@@ -77,7 +87,7 @@ def measure(cfg) -> None:
           f"cores in use over the run {busy / total * os.cpu_count():.2f} of {os.cpu_count()}: "
           f"stage processes {sum(used[:-1]):.2f}, driver {used[-1]:.2f}, the rest (Ray's "
           f"raylet and GCS, anything else) {busy / total * os.cpu_count() - sum(used):.2f}")
-    print(f"{'stage':<6}{'busy':>8}{'bubble':>8}   main thread: {'on a CPU':>9}"
+    print(f"{'stage':<6}{'busy':>8}{'bubble':>8}   its threads: {'on a CPU':>9}"
           f"{'waiting for one':>17}   process: {'cores':>6}")
     for st, b, a, u in zip(summary["per_stage"], before, after, used):
         bubble = sum(st["bubble_by_cause_s"].values())

@@ -185,6 +185,11 @@ class RuntimeConfig:
     #                               where it pays (`ray_graph.graph_pays`: a GPU per worker,
     #                               or tp * pp + 1 CPUs; its polling channels took the
     #                               stages' CPU on this 2-core machine, so off here)
+    tp_relay: bool = False  # ray, tp > 1, graph off: call only each stage's TP rank 0, which
+    #                         relays the plan to its TP peers (pp task calls a micro-batch,
+    #                         not tp * pp); opt-in: on this 2-core machine it cut the driver's
+    #                         submit but lengthened every stage's gap between calls
+    #                         (docs/distributed.md)
     # CPU fast paths (docs/performance.md); neither changes anything on CUDA
     prepack: bool = True  # linear layers on prepacked oneDNN weights (CPU, float32/bfloat16,
     #                       tp = 1 layers; results differ from plain torch by fp32 rounding)

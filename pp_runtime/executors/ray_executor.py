@@ -234,7 +234,7 @@ class RayExecutor(CompiledGraphPath, RelayPath):
         spec = DistSpec(rt.dist_addr or addr, rt.dist_port or port, self.tp, self.pp,
                         self.backend, rt.step_timeout_s)
         self.graph = self._graph_wanted()  # runtime.compiled_graph; auto: ray_graph.graph_on
-        ranks, relay = range(len(self.actors)), self.tp > 1 and not self.graph
+        ranks, relay = range(len(self.actors)), rt.tp_relay and self.tp > 1 and not self.graph
         self.warm_ups = self._gather([self._call(i, "start", spec, relay) for i in ranks],
                                      rt.startup_timeout_s,
                                      "joining the process group and loading weights")

@@ -50,9 +50,12 @@ def generate(path, results=None, **overrides):
     return [o.token_ids for o in outs], seen, executor
 
 
-@pytest.mark.parametrize("tp, pp, graph", [(2, 2, True), (1, 2, True), (1, 3, True), (2, 2, False)],
-                         ids=["tp2-pp2-graph", "tp1-pp2-graph", "tp1-pp3-graph", "tp2-pp2-tasks"])
-def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, graph, monkeypatch):
+@pytest.mark.parametrize("tp, pp, graph, relay", [
+    (2, 2, True, False), (1, 2, True, False), (1, 3, True, False), (2, 2, False, False),
+    (2, 2, False, True)],
+    ids=["tp2-pp2-graph", "tp1-pp2-graph", "tp1-pp3-graph", "tp2-pp2-tasks", "tp2-pp2-relay"])
+def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, graph, relay,
+                                                  monkeypatch):
     from ray.dag.compiled_dag_node import CompiledDAG
 
     family, _, path = hf_checkpoint
@@ -71,7 +74,8 @@ def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, graph, 
         calls.append((i, method)), method == "execute" and puts.append(args[0]),
         call(ex, i, method, *args))[2])
     results = []
-    tokens, mbs, ex = generate(path, results, tp=tp, pp=pp, compiled_graph=graph)
+    tokens, mbs, ex = generate(path, results, tp=tp, pp=pp, compiled_graph=graph,
+                               tp_relay=relay)
     assert ex.name == "ray"
     assert tokens == reference
     # every rank's timing of that micro-batch, in rank order (the relay brings TP peers')
@@ -81,17 +85,19 @@ def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, graph, 
     assert any(mb.num_decodes and mb.num_prefill_tokens for mb in mbs)
     assert any(s.start > 0 and not s.is_decode for mb in mbs for s in mb.seqs)
     # each micro-batch went to Ray as one graph execution for all tp * pp actors, or by value
-    # in one task per stage, to its TP rank 0, which relays it to its TP peers (inlined:
-    # never through the object store)
-    per = 1 if graph else pp
+    # in one task per actor, or (relay) one per stage, to its TP rank 0, which relays it to
+    # its TP peers (inlined: never through the object store)
+    per = 1 if graph else pp if relay else tp * pp
     assert [mb.mb_id for mb in puts if isinstance(mb, MicroBatch)] == [
         mb.mb_id for mb in mbs for _ in range(per)]
     assert not [obj for obj in stored if isinstance(obj, MicroBatch)]
-    if not graph:  # pp task calls per micro-batch, not tp * pp; one follow per other TP rank
-        execs = [i for i, method in calls if method == "execute"]
+    execs = [i for i, method in calls if method == "execute"]
+    follows = sorted(i for i, method in calls if method == "follow")
+    if relay:  # pp task calls per micro-batch, not tp * pp; one follow per other TP rank
         assert execs == [s * tp for _ in mbs for s in range(pp)]
-        assert sorted(i for i, method in calls if method == "follow") == [
-            i for i in range(tp * pp) if i % tp]
+        assert follows == [i for i in range(tp * pp) if i % tp]
+    elif not graph:
+        assert execs == [i for _ in mbs for i in range(tp * pp)] and follows == []
     # before the first micro-batch: one all-reduce per TP group, one exchange per stage pair
     assert ex.warm_ups == [
         [f"all_reduce tp={tp}"] + ([f"recv from {r - tp}"] if r >= tp else [])
@@ -264,7 +270,7 @@ def test_a_killed_follower_ends_the_run_with_an_error_naming_it_at_once():
     step timeout."""
     at = []
     msg, _, actors = _run_with_fault(_injected(lambda actors: ray.kill(actors[3]), at), tp=2,
-                                     step_timeout_s=120.0)
+                                     tp_relay=True, step_timeout_s=120.0)
     since = time.perf_counter() - at[0]
     assert "stage 1 tp rank 1 failed during micro-batch" in msg, msg
     assert "ActorDied" in msg or "RayActorError" in msg, msg
@@ -280,7 +286,7 @@ def test_a_hung_follower_ends_the_run_after_the_step_timeout_naming_it():
     their collectives, and after the step timeout the error names the follower."""
     at = []
     msg, _, _ = _run_with_fault(_injected(lambda actors: actors[3].sleep.remote(120), at),
-                                tp=2, step_timeout_s=4.0)
+                                tp=2, tp_relay=True, step_timeout_s=4.0)
     since = time.perf_counter() - at[0]
     assert "stage 1 tp rank 1 did not finish micro-batch" in msg, msg
     assert since < 30, since
@@ -289,7 +295,7 @@ def test_a_hung_follower_ends_the_run_after_the_step_timeout_naming_it():
 def test_the_liveness_probe_reaches_busy_followers_and_names_a_dead_one():
     """TP2 x PP2 on the relay, idle: every follower answers a ping while its follow loop
     holds its thread; one killed is named by the probe, and shutdown kills the rest."""
-    llm = LLM(tiny(tp=2))
+    llm = LLM(tiny(tp=2, tp_relay=True))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
     ex, actors = llm.executor, list(llm.executor.actors)
     assert len(ex.follows) == 2 and ex.ping(10)
