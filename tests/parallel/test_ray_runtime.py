@@ -264,6 +264,7 @@ def _injected(fault, at: list):
     return lambda actors: (at.append(time.perf_counter()), fault(actors))
 
 
+@pytest.mark.slow
 def test_a_killed_follower_ends_the_run_with_an_error_naming_it_at_once():
     """TP2 x PP2 on the relay: stage 1's TP rank 1 (which only follows its TP rank 0) is
     killed; its follow call fails and the error names it within seconds, not after the
@@ -281,6 +282,7 @@ def test_a_killed_follower_ends_the_run_with_an_error_naming_it_at_once():
             ray.get(actor.ping.remote(), timeout=30)
 
 
+@pytest.mark.slow
 def test_a_hung_follower_ends_the_run_after_the_step_timeout_naming_it():
     """TP2 x PP2 on the relay: stage 1's TP rank 1 stalls; its TP rank 0 waits for it in
     their collectives, and after the step timeout the error names the follower."""
@@ -292,6 +294,7 @@ def test_a_hung_follower_ends_the_run_after_the_step_timeout_naming_it():
     assert since < 30, since
 
 
+@pytest.mark.slow
 def test_the_liveness_probe_reaches_busy_followers_and_names_a_dead_one():
     """TP2 x PP2 on the relay, idle: every follower answers a ping while its follow loop
     holds its thread; one killed is named by the probe, and shutdown kills the rest."""
