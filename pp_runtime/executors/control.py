@@ -27,22 +27,23 @@ class ControlChannel:
         self._pending: list = []  # (work, tensors) of sends not known to be done
 
     def send(self, value: object, schema: object, dst: int) -> None:
-        payload = torch.frombuffer(bytearray(wire.encode(value, schema)), dtype=torch.uint8)  # [n]
-        size = torch.tensor([payload.numel()], dtype=torch.long)
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        for t in (size, payload):
-            self._pending.append((dist.isend(t, dst=dst, group=self.group), t))
+        self._post(value, schema, lambda t: dist.isend(t, dst=dst, group=self.group))
 
     def broadcast(self, value: object, schema: object) -> None:
         """The root to every other rank of the group at once (one gloo broadcast for the
         size, one for the bytes), asynchronous like `send`: a busy rank takes it when it
         is ready."""
+        self._post(value, schema, lambda t: dist.broadcast(t, src=self.root, group=self.group,
+                                                           async_op=True))
+
+    def _post(self, value: object, schema: object, start) -> None:
+        """The size, then the JSON bytes, each by `start(tensor)` (a send or a broadcast,
+        not waited for); the tensors stay referenced until their work is done."""
         payload = torch.frombuffer(bytearray(wire.encode(value, schema)), dtype=torch.uint8)  # [n]
         size = torch.tensor([payload.numel()], dtype=torch.long)
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
         for t in (size, payload):
-            work = dist.broadcast(t, src=self.root, group=self.group, async_op=True)
-            self._pending.append((work, t))
+            self._pending.append((start(t), t))
 
     def recv(self, src: int, schema: object) -> object:
         return self._receive(src, schema, lambda t: dist.recv(t, src=src, group=self.group))

@@ -10,12 +10,13 @@ Each actor is given that device; Ray shows an actor with `num_gpus=1` only its o
 as cuda:0, so `device: cuda:N` is rejected. After the process groups are up every rank
 warms its communicators up (`parallel/p2p.warm_up`) before the first micro-batch.
 
-For every micro-batch the driver submits `execute(mb)` to TP rank 0 of every stage, in
-stage order (pp calls), the `MicroBatch` by value (inlined in each task: cheaper than one
-`ray.put` at this size). With tp > 1, that rank relays the plan to its TP peers over a gloo
-control group of the stage (typed JSON, `executors/control.py`), and returns every TP
-rank's timing; the peers each run one long-lived `follow()` call, in a Ray concurrency
-group of its own (`executors/ray_relay.py`). With the compiled graph (`runtime.compiled_graph`:
+For every micro-batch the driver submits `execute(mb)` to every actor in rank order, the
+`MicroBatch` by value (inlined in each task: cheaper than one `ray.put` at this size).
+With `runtime.tp_relay` (opt-in) and tp > 1 it calls TP rank 0 of every stage only (pp
+calls), which relays the plan to its TP peers over a gloo control group of the stage
+(typed JSON, `executors/control.py`) and returns every TP rank's timing; the peers each
+run one long-lived `follow()` call, in a Ray concurrency group of its own
+(`executors/ray_relay.py`). With the compiled graph (`runtime.compiled_graph`:
 auto, on where every stage has a GPU or a core of its own; docs/distributed.md) every rank's `execute` is joined into one Ray Compiled Graph instead
 (`ray.dag`, `experimental_compile`): a micro-batch is one `dag.execute(mb)` that reaches
 every actor through the graph's channels. Either way an actor runs its micro-batches in
@@ -253,7 +254,8 @@ class RayExecutor(CompiledGraphPath, RelayPath):
 
     # ---- the executor interface --------------------------------------------------------
     def describe(self) -> str:
-        how = "compiled graph" if self.graph else "a task per actor"
+        how = ("compiled graph" if self.graph else
+               "a task per stage, TP relay" if self.follows else "a task per actor")
         return f"ray ({len(self.actors)} actors, {self.backend}, {how})"
 
     def submit(self, mb: MicroBatch) -> tuple[int, list]:
