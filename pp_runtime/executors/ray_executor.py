@@ -165,15 +165,18 @@ class StageActor(RelayMember):
         destroy()
 
 
-def stage_actor_class(ray):
-    """`StageActor` as a Ray actor class, each method in its concurrency group."""
-    for method, group in METHOD_GROUPS.items():
-        ray.method(concurrency_group=group)(getattr(StageActor, method))
-    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageActor)
+def stage_actor_class(ray, relay: bool):
+    """`StageActor` as a Ray actor class: with the relay's concurrency groups (each call
+    names its group, `RayExecutor._call`), else a plain actor, whose calls run on its own
+    thread (a threaded actor costs every call ~0.4 ms more here: docs/distributed.md)."""
+    if relay:
+        return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageActor)
+    return ray.remote(StageActor)
 
 
 class RayExecutor(CompiledGraphPath, RelayPath):
     name = "ray"
+    grouped = False  # the relay runs: its actors have concurrency groups (decided in `_start`)
 
     def __init__(self, cfg: Config, checkpoint: str | Path | None = None,
                  cancel: threading.Event | None = None):
@@ -219,7 +222,9 @@ class RayExecutor(CompiledGraphPath, RelayPath):
         if not self._wait([pg.ready()], time.monotonic() + rt.startup_timeout_s)[0]:
             raise WorkerFailed(f"Ray could not place {self.pp} stages of {bundle} within "
                                f"{rt.startup_timeout_s} s; is the cluster big enough?") from None
-        actor_cls = stage_actor_class(ray)
+        self.graph = self._graph_wanted()  # runtime.compiled_graph; auto: ray_graph.graph_on
+        self.grouped = rt.tp_relay and self.tp > 1 and not self.graph  # the relay runs
+        actor_cls = stage_actor_class(ray, self.grouped)
         ckpt = str(checkpoint) if checkpoint is not None else None
         prefix = f"pp-{deployment_tag(cfg)}-{uuid.uuid4().hex[:6]}"  # unique per executor
         self.actor_names = [f"{prefix}-s{s}-tp{r}" for s in range(self.pp) for r in range(self.tp)]
@@ -234,23 +239,24 @@ class RayExecutor(CompiledGraphPath, RelayPath):
                                   rt.startup_timeout_s, "finding a rendezvous address")[0]
         spec = DistSpec(rt.dist_addr or addr, rt.dist_port or port, self.tp, self.pp,
                         self.backend, rt.step_timeout_s)
-        self.graph = self._graph_wanted()  # runtime.compiled_graph; auto: ray_graph.graph_on
-        ranks, relay = range(len(self.actors)), rt.tp_relay and self.tp > 1 and not self.graph
-        self.warm_ups = self._gather([self._call(i, "start", spec, relay) for i in ranks],
-                                     rt.startup_timeout_s,
+        starts = [self._call(i, "start", spec, self.grouped) for i in range(len(self.actors))]
+        self.warm_ups = self._gather(starts, rt.startup_timeout_s,
                                      "joining the process group and loading weights")
         spans = self._gather([self._call(s * self.tp, "layers") for s in range(self.pp)],
                              rt.startup_timeout_s, "reporting its layers")
         self.layer_split = [hi - lo for lo, hi in spans]  # what the workers hold (reports)
         if self.graph:
             self.dag = self._compile()
-        elif relay:
+        elif self.grouped:
             self._start_relay()
 
     def _call(self, i: int, method: str, *args):
-        """`actor.method.remote(*args)` on actor i, as a task named `stage<s>-tp<r>.method`."""
+        """`actor.method.remote(*args)` on actor i, as a task named `stage<s>-tp<r>.method`
+        (under the relay in the method's concurrency group)."""
         task = f"stage{i // self.tp}-tp{i % self.tp}.{method}"
-        return getattr(self.actors[i], method).options(name=task).remote(*args)
+        group = METHOD_GROUPS.get(method) if self.grouped else None
+        return getattr(self.actors[i], method).options(name=task,
+                                                      concurrency_group=group).remote(*args)
 
     # ---- the executor interface --------------------------------------------------------
     def describe(self) -> str:

@@ -299,15 +299,20 @@ def test_the_liveness_probe_reaches_busy_followers_and_names_a_dead_one():
     """TP2 x PP2 on the relay, idle: every follower answers a ping while its follow loop
     holds its thread; one killed is named by the probe, and shutdown kills the rest."""
     llm = LLM(tiny(tp=2, tp_relay=True))
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
-    ex, actors = llm.executor, list(llm.executor.actors)
-    assert len(ex.follows) == 2 and ex.ping(10)
-    ray.kill(actors[1])
-    with pytest.raises(WorkerFailed, match="stage 0 tp rank 1 is dead"):
-        ex.ping(10)
-    t0 = time.perf_counter()
-    llm.shutdown()
-    assert time.perf_counter() - t0 < 10
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+        ex, actors = llm.executor, list(llm.executor.actors)
+        assert len(ex.follows) == 2 and ex.ping(10)
+        ray.kill(actors[1])  # asynchronous: a probe may find it busy (False) before dead
+        with pytest.raises(WorkerFailed, match="stage 0 tp rank 1 is dead"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                ex.ping(10)
+        t0 = time.perf_counter()
+        llm.shutdown()
+        assert time.perf_counter() - t0 < 10
+    finally:
+        llm.shutdown()  # a failure here leaves no actor holding the next test's CPUs
     for actor in actors:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.ping.remote(), timeout=30)
