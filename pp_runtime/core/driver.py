@@ -21,6 +21,8 @@ class Executor(Protocol):
 
     name: str  # "local", "ray", "torchrun" or "sim": reports and the start banner name it
     device: object  # what the stages run on, resolved (str() gives "cpu", "cuda", "sim")
+    path: str  # how the driver reaches the stages: "" (the executor's one way), or Ray's
+    #            "graph" (compiled graph) or "relay" (TP relay); calibrations are kept per path
 
     def describe(self) -> str: ...  # one line for the banner: device and placement
     def submit(self, mb: MicroBatch) -> object: ...
@@ -40,6 +42,10 @@ class ExecutorWrapper:
     @property
     def device(self):
         return self.executor.device
+
+    @property
+    def path(self) -> str:
+        return self.executor.path
 
     def describe(self) -> str:
         return self.executor.describe()

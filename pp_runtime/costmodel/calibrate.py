@@ -168,9 +168,10 @@ def calibrate(cfg: Config, profile: str | Path, requests: int = 10, executor=Non
             cfg, {**mbs, **{n + i: mb for i, mb in mbs2.items() if i not in cold}},
             {**timings, **{n + i: t for i, t in timings2.items()}})
     p = cfg.parallel
-    kind = calibration.executor_kind(getattr(timed.inner, "name", cfg.runtime.executor), p.tp, p.pp)
+    kind = calibration.executor_kind(timed.inner.name, p.tp, p.pp)
     cal = Calibration(kind, p.pp, fit, host_costs(timed.times, timings, p.pp),
-                      tuple(cfg.layers_per_stage()), points, rms)
+                      tuple(cfg.layers_per_stage()), points, rms, timed.inner.path)
     if save:
-        calibration.save(profile, cal)
+        auto = kind == "ray" and cfg.runtime.compiled_graph == calibration.AUTO
+        calibration.save(profile, cal, auto=auto)
     return cal

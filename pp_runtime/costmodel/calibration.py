@@ -1,9 +1,11 @@
 """What a quiet profile misses, measured on a short real run: `calibration.json`.
 
 A profile (`pp-runtime profile`) times each operation alone, in one process. A real
-pipeline pays more, and the simulator prices it from this file, one entry per executor
-and pipeline depth (`"ray/pp2"`, `"torchrun/pp3"`), written by `costmodel/calibrate.py`
-next to the profile's tables:
+pipeline pays more, and the simulator prices it from this file, one entry per executor,
+pipeline depth and path (`"ray/pp2"`, `"ray/pp2/graph"`, `"ray/pp4/relay"`,
+`"torchrun/pp3"`: the Ray executor's compiled graph or TP relay cost the host far less or
+more per micro-batch than a task per actor), written by `costmodel/calibrate.py` next to
+the profile's tables:
 
 - **compute under contention** (`ComputeFit`): the stages run side by side on shared
   cores with the driver and Ray beside them, and every call pays work the per-op tables
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FILE = "calibration.json"
+AUTO = "auto"  # the key's path of a run under `compiled_graph: auto` (what auto chose there)
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,17 @@ class Calibration:
     layer_split: tuple[int, ...] = ()  # the split the calibration run ran
     microbatches: int = 0  # how many the fit saw
     residual: float = 0.0  # relative RMS error of the compute fit
+    path: str = ""  # how the driver reached the stages (`Executor.path`): "" a task per
+    #                 actor (Ray's default; torchrun, local), "graph" or "relay" (Ray)
 
     @property
     def key(self) -> str:
-        return f"{self.executor}/pp{self.pp}"
+        return key(self.executor, self.pp, self.path)
+
+
+def key(executor: str, pp: int, path: str = "") -> str:
+    """An entry's name in calibration.json: `ray/pp2`, `ray/pp2/graph`, `ray/pp2/auto`."""
+    return f"{executor}/pp{pp}" + (f"/{path}" if path else "")
 
 
 def executor_kind(executor: str, tp: int, pp: int) -> str:
@@ -85,29 +95,34 @@ def executor_kind(executor: str, tp: int, pp: int) -> str:
     return executor
 
 
-def load(profile_dir: str | Path, executor: str, pp: int) -> Calibration | None:
-    """The calibration of `executor` at depth `pp` in a profile directory, or None."""
-    path = Path(profile_dir).expanduser() / FILE
-    if not path.is_file():
+def load(profile_dir: str | Path, executor: str, pp: int, path: str = "") -> Calibration | None:
+    """The calibration of `executor` at depth `pp` on `path` (`key`) in a profile
+    directory, or None."""
+    file = Path(profile_dir).expanduser() / FILE
+    if not file.is_file():
         return None
-    entry = json.loads(path.read_text()).get(f"{executor}/pp{pp}")
+    entry = json.loads(file.read_text()).get(key(executor, pp, path))
     if entry is None:
         return None
     host = dict(entry.get("host", {}))
     host["call_s"] = tuple(host.get("call_s", ()))
     return Calibration(entry["executor"], int(entry["pp"]), ComputeFit(**entry.get("compute", {})),
                        HostCost(**host), tuple(entry.get("layer_split", ())),
-                       int(entry.get("microbatches", 0)), float(entry.get("residual", 0.0)))
+                       int(entry.get("microbatches", 0)), float(entry.get("residual", 0.0)),
+                       entry.get("path", ""))
 
 
-def save(profile_dir: str | Path, cal: Calibration) -> Path:
-    """Add (or replace) one entry of the profile's calibration.json."""
+def save(profile_dir: str | Path, cal: Calibration, auto: bool = False) -> Path:
+    """Add (or replace) one entry of the profile's calibration.json; with `auto` (the run's
+    config said `compiled_graph: auto`) also as the entry such configs find."""
     path = Path(profile_dir).expanduser() / FILE
     data = json.loads(path.read_text()) if path.is_file() else {}
     entry = asdict(cal)
     entry["host"]["call_s"] = list(cal.host.call_s)
     entry["layer_split"] = list(cal.layer_split)
     data[cal.key] = entry
+    if auto:
+        data[key(cal.executor, cal.pp, AUTO)] = entry
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return path
 

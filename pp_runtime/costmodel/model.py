@@ -58,13 +58,21 @@ def build_cost_model(cfg: Config) -> "StageCostModel":
 
 
 def find_calibration(cfg: Config) -> Calibration | None:
-    """The profile's calibration of the executor this config runs on, at its pp (None
-    without a profile, or when that executor and depth were never calibrated)."""
+    """The profile's calibration of the executor this config runs on, at its pp, on the
+    path its settings ask for (None without a profile, or when that was never calibrated).
+    Ray under `compiled_graph: auto` takes what auto chose where it was calibrated (a
+    calibration from before paths were recorded: a task per actor)."""
     if not cfg.hardware.profile:
         return None
-    p = cfg.parallel
-    kind = calibration.executor_kind(cfg.runtime.executor, p.tp, p.pp)
-    return calibration.load(cfg.hardware.profile, kind, p.pp)
+    p, rt, prof = cfg.parallel, cfg.runtime, cfg.hardware.profile
+    kind = calibration.executor_kind(rt.executor, p.tp, p.pp)
+    if kind != "ray":
+        return calibration.load(prof, kind, p.pp)
+    if rt.compiled_graph == calibration.AUTO:
+        return (calibration.load(prof, kind, p.pp, calibration.AUTO)
+                or calibration.load(prof, kind, p.pp))
+    path = "graph" if rt.compiled_graph else "relay" if rt.tp_relay and p.tp > 1 else ""
+    return calibration.load(prof, kind, p.pp, path)
 
 
 def table(p: Priced | None, size: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from pp_runtime.worker.stage import StageWorker
 
 class LocalExecutor:
     name = "local"
+    path = ""  # one way to reach the stages (driver.Executor)
 
     def __init__(self, cfg: Config, checkpoint: str | Path | None = None):
         if cfg.parallel.tp != 1:

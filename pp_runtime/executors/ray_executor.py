@@ -259,6 +259,11 @@ class RayExecutor(CompiledGraphPath, RelayPath):
                                                       concurrency_group=group).remote(*args)
 
     # ---- the executor interface --------------------------------------------------------
+    @property
+    def path(self) -> str:
+        """"graph", "relay" or "" (a task per actor): what a calibration is kept under."""
+        return "graph" if self.graph else "relay" if self.grouped else ""
+
     def describe(self) -> str:
         how = ("compiled graph" if self.graph else
                "a task per stage, TP relay" if self.follows else "a task per actor")

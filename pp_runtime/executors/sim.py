@@ -60,6 +60,7 @@ class VirtualClock:
 
 class SimExecutor:
     name = "sim"
+    path = ""  # one way to reach the stages (driver.Executor)
     device = "sim"  # nothing real: the cost model's stages on a virtual clock
 
     def __init__(self, cost: StageCost, pp: int, clock: VirtualClock):

@@ -35,6 +35,7 @@ class TorchrunExecutor:
     """Rank 0's executor: the driver's `submit` / `wait` over the control channel."""
 
     name = "torchrun"
+    path = ""  # one way to reach the stages (driver.Executor)
 
     def __init__(self, worker: StageWorker, ctrl: ControlChannel, world_size: int, tp: int):
         self.worker, self.ctrl, self.world, self.tp = worker, ctrl, world_size, tp

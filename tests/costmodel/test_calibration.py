@@ -39,6 +39,28 @@ def test_saved_calibration_is_found_by_executor_and_depth(tmp_path):
     assert find_calibration(Config().with_overrides(pp=2)) is None  # no profile
 
 
+def test_each_ray_path_finds_its_own_calibration(tmp_path):
+    """A task per actor, the compiled graph and the TP relay cost the host differently:
+    each is kept under its path; `compiled_graph: auto` finds what auto chose where it was
+    calibrated, or else a calibration from before paths were kept (a task per actor)."""
+    tasks, graph = (Calibration("ray", 2, host=HostCost(dispatch_s=d), path=path)
+                    for d, path in ((1.6e-3, ""), (0.5e-3, "graph")))
+    relay = Calibration("ray", 2, host=HostCost(dispatch_s=1e-3), path="relay")
+    cfg = Config().with_overrides(pp=2, **{"hardware.profile": str(tmp_path)})
+    calibration.save(tmp_path, tasks)
+    assert find_calibration(cfg) == tasks  # auto, nothing saved under auto: the old entry
+    assert find_calibration(cfg.with_overrides(compiled_graph=True)) is None
+    calibration.save(tmp_path, graph, auto=True)  # a run under auto that chose the graph
+    calibration.save(tmp_path, relay)
+    assert find_calibration(cfg) == graph and find_calibration(cfg).key == "ray/pp2/graph"
+    assert find_calibration(cfg.with_overrides(compiled_graph=False)) == tasks
+    assert find_calibration(cfg.with_overrides(compiled_graph=True)) == graph
+    relayed = cfg.with_overrides(compiled_graph=False, tp_relay=True)
+    assert find_calibration(relayed) == tasks  # tp 1: no relay runs
+    assert find_calibration(relayed.with_overrides(tp=2)) == relay
+    assert calibration.load(tmp_path, "ray", 2, calibration.AUTO).path == "graph"
+
+
 def test_the_cost_model_prices_a_calibrated_stage_by_the_fit():
     """stage s: scale * (its price) + per_layer_s * layers + per_row_s * rows (last only)."""
     cfg = Config().with_overrides(pp=2, layer_split=[7, 5])
