@@ -170,7 +170,7 @@ def calibrate(cfg: Config, profile: str | Path, requests: int = 10, executor=Non
     p = cfg.parallel
     kind = calibration.executor_kind(timed.inner.name, p.tp, p.pp)
     cal = Calibration(kind, p.pp, fit, host_costs(timed.times, timings, p.pp),
-                      tuple(cfg.layers_per_stage()), points, rms, timed.inner.path)
+                      tuple(cfg.layers_per_stage()), points, rms, timed.inner.path, p.tp)
     if save:
         auto = kind == "ray" and cfg.runtime.compiled_graph == calibration.AUTO
         calibration.save(profile, cal, auto=auto)

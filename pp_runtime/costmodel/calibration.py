@@ -2,10 +2,10 @@
 
 A profile (`pp-runtime profile`) times each operation alone, in one process. A real
 pipeline pays more, and the simulator prices it from this file, one entry per executor,
-pipeline depth and path (`"ray/pp2"`, `"ray/pp2/graph"`, `"ray/pp4/relay"`,
-`"torchrun/pp3"`: the Ray executor's compiled graph or TP relay cost the host far less or
-more per micro-batch than a task per actor), written by `costmodel/calibrate.py` next to
-the profile's tables:
+TP degree, pipeline depth and path (`"ray/pp2"`, `"ray/pp2/graph"`, `"ray/tp2/pp2/relay"`,
+`"torchrun/pp3"`: more processes share the cores at tp 2, and the Ray executor's compiled
+graph or TP relay cost the host far less or more per micro-batch than a task per actor),
+written by `costmodel/calibrate.py` next to the profile's tables:
 
 - **compute under contention** (`ComputeFit`): the stages run side by side on shared
   cores with the driver and Ray beside them, and every call pays work the per-op tables
@@ -77,15 +77,18 @@ class Calibration:
     residual: float = 0.0  # relative RMS error of the compute fit
     path: str = ""  # how the driver reached the stages (`Executor.path`): "" a task per
     #                 actor (Ray's default; torchrun, local), "graph" or "relay" (Ray)
+    tp: int = 1  # TP ranks per stage in the calibration run
 
     @property
     def key(self) -> str:
-        return key(self.executor, self.pp, self.path)
+        return key(self.executor, self.pp, self.path, self.tp)
 
 
-def key(executor: str, pp: int, path: str = "") -> str:
-    """An entry's name in calibration.json: `ray/pp2`, `ray/pp2/graph`, `ray/pp2/auto`."""
-    return f"{executor}/pp{pp}" + (f"/{path}" if path else "")
+def key(executor: str, pp: int, path: str = "", tp: int = 1) -> str:
+    """An entry's name in calibration.json: `ray/pp2`, `ray/pp2/graph`, `ray/pp2/auto`,
+    `ray/tp2/pp2/relay` (tp 1 is left out, as in entries from before tp was kept)."""
+    parts = [executor, f"tp{tp}" if tp > 1 else "", f"pp{pp}", path]
+    return "/".join(part for part in parts if part)
 
 
 def executor_kind(executor: str, tp: int, pp: int) -> str:
@@ -95,13 +98,14 @@ def executor_kind(executor: str, tp: int, pp: int) -> str:
     return executor
 
 
-def load(profile_dir: str | Path, executor: str, pp: int, path: str = "") -> Calibration | None:
-    """The calibration of `executor` at depth `pp` on `path` (`key`) in a profile
+def load(profile_dir: str | Path, executor: str, pp: int, path: str = "",
+         tp: int = 1) -> Calibration | None:
+    """The calibration of `executor` at `tp` x `pp` on `path` (`key`) in a profile
     directory, or None."""
     file = Path(profile_dir).expanduser() / FILE
     if not file.is_file():
         return None
-    entry = json.loads(file.read_text()).get(key(executor, pp, path))
+    entry = json.loads(file.read_text()).get(key(executor, pp, path, tp))
     if entry is None:
         return None
     host = dict(entry.get("host", {}))
@@ -109,7 +113,7 @@ def load(profile_dir: str | Path, executor: str, pp: int, path: str = "") -> Cal
     return Calibration(entry["executor"], int(entry["pp"]), ComputeFit(**entry.get("compute", {})),
                        HostCost(**host), tuple(entry.get("layer_split", ())),
                        int(entry.get("microbatches", 0)), float(entry.get("residual", 0.0)),
-                       entry.get("path", ""))
+                       entry.get("path", ""), int(entry.get("tp", 1)))
 
 
 def save(profile_dir: str | Path, cal: Calibration, auto: bool = False) -> Path:
@@ -122,7 +126,7 @@ def save(profile_dir: str | Path, cal: Calibration, auto: bool = False) -> Path:
     entry["layer_split"] = list(cal.layer_split)
     data[cal.key] = entry
     if auto:
-        data[key(cal.executor, cal.pp, AUTO)] = entry
+        data[key(cal.executor, cal.pp, AUTO, cal.tp)] = entry
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return path
 

@@ -58,8 +58,8 @@ def build_cost_model(cfg: Config) -> "StageCostModel":
 
 
 def find_calibration(cfg: Config) -> Calibration | None:
-    """The profile's calibration of the executor this config runs on, at its pp, on the
-    path its settings ask for (None without a profile, or when that was never calibrated).
+    """The profile's calibration of the executor this config runs on, at its tp and pp, on
+    the path its settings ask for (None without a profile, or when that was never calibrated).
     Ray under `compiled_graph: auto` takes what auto chose where it was calibrated (a
     calibration from before paths were recorded: a task per actor)."""
     if not cfg.hardware.profile:
@@ -67,12 +67,12 @@ def find_calibration(cfg: Config) -> Calibration | None:
     p, rt, prof = cfg.parallel, cfg.runtime, cfg.hardware.profile
     kind = calibration.executor_kind(rt.executor, p.tp, p.pp)
     if kind != "ray":
-        return calibration.load(prof, kind, p.pp)
+        return calibration.load(prof, kind, p.pp, tp=p.tp)
     if rt.compiled_graph == calibration.AUTO:
-        return (calibration.load(prof, kind, p.pp, calibration.AUTO)
-                or calibration.load(prof, kind, p.pp))
+        return (calibration.load(prof, kind, p.pp, calibration.AUTO, p.tp)
+                or calibration.load(prof, kind, p.pp, tp=p.tp))
     path = "graph" if rt.compiled_graph else "relay" if rt.tp_relay and p.tp > 1 else ""
-    return calibration.load(prof, kind, p.pp, path)
+    return calibration.load(prof, kind, p.pp, path, p.tp)
 
 
 def table(p: Priced | None, size: int) -> np.ndarray:

@@ -39,13 +39,14 @@ def test_saved_calibration_is_found_by_executor_and_depth(tmp_path):
     assert find_calibration(Config().with_overrides(pp=2)) is None  # no profile
 
 
-def test_each_ray_path_finds_its_own_calibration(tmp_path):
-    """A task per actor, the compiled graph and the TP relay cost the host differently:
-    each is kept under its path; `compiled_graph: auto` finds what auto chose where it was
-    calibrated, or else a calibration from before paths were kept (a task per actor)."""
+def test_each_ray_path_and_tp_finds_its_own_calibration(tmp_path):
+    """A task per actor, the compiled graph and the TP relay cost the host differently, and
+    tp 2 puts twice the processes on the cores: each is kept under its path and tp;
+    `compiled_graph: auto` finds what auto chose where it was calibrated, or else a
+    calibration from before paths were kept (a task per actor)."""
     tasks, graph = (Calibration("ray", 2, host=HostCost(dispatch_s=d), path=path)
                     for d, path in ((1.6e-3, ""), (0.5e-3, "graph")))
-    relay = Calibration("ray", 2, host=HostCost(dispatch_s=1e-3), path="relay")
+    relay = Calibration("ray", 2, host=HostCost(dispatch_s=1e-3), path="relay")  # tp 1
     cfg = Config().with_overrides(pp=2, **{"hardware.profile": str(tmp_path)})
     calibration.save(tmp_path, tasks)
     assert find_calibration(cfg) == tasks  # auto, nothing saved under auto: the old entry
@@ -57,7 +58,11 @@ def test_each_ray_path_finds_its_own_calibration(tmp_path):
     assert find_calibration(cfg.with_overrides(compiled_graph=True)) == graph
     relayed = cfg.with_overrides(compiled_graph=False, tp_relay=True)
     assert find_calibration(relayed) == tasks  # tp 1: no relay runs
+    assert find_calibration(relayed.with_overrides(tp=2)) is None  # calibrated at tp 1
+    relay = Calibration("ray", 2, host=HostCost(dispatch_s=1e-3), path="relay", tp=2)
+    calibration.save(tmp_path, relay)
     assert find_calibration(relayed.with_overrides(tp=2)) == relay
+    assert relay.key == "ray/tp2/pp2/relay" and find_calibration(relayed) == tasks
     assert calibration.load(tmp_path, "ray", 2, calibration.AUTO).path == "graph"
 
 
