@@ -21,7 +21,7 @@ import ray  # noqa: E402
 from ray.dag import InputNode, MultiOutputNode  # noqa: E402
 
 from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk  # noqa: E402
-from pp_runtime.executors.ray_executor import CONCURRENCY_GROUPS  # noqa: E402
+from pp_runtime.executors.ray_actor import CONCURRENCY_GROUPS  # noqa: E402
 
 
 class _Stage:

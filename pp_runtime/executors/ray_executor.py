@@ -1,4 +1,5 @@
-"""The Ray executor: one actor per (stage, TP rank), activations over torch.distributed.
+"""The Ray executor: one actor per (stage, TP rank) (`ray_actor.StageActor`), activations
+over torch.distributed.
 
 Placement: one placement-group bundle per stage holding its tp workers (a bundle never
 spans nodes, so a stage's TP group is packed on one node and its all-reduces stay on
@@ -46,7 +47,6 @@ with the driver at the latest, and `shutdown()` kills them.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -57,121 +57,15 @@ from pp_runtime.core.batch import MicroBatch, SampledTokens
 from pp_runtime.config import Config
 from pp_runtime.core.errors import CheckpointError, ConfigError, StartCancelled, WorkerFailed
 from pp_runtime.executors.local_ray import shutdown_ray, start_ray
+from pp_runtime.executors.ray_actor import METHOD_GROUPS, stage_actor_class
 from pp_runtime.executors.ray_graph import CompiledGraphPath, teardown
 from pp_runtime.executors.ray_graph import first_line as _first_line
-from pp_runtime.executors.ray_relay import RelayMember, RelayPath
-from pp_runtime.parallel.groups import DistSpec, free_port
+from pp_runtime.executors.ray_relay import RelayPath
+from pp_runtime.parallel.groups import DistSpec
 from pp_runtime.telemetry.metrics import deployment_tag
 
 CANCEL_POLL_S = 0.2  # how often a start that may be cancelled looks at its event
 NAMESPACE = "pp_runtime"  # Ray namespace of every stage actor (`ray list actors` shows it)
-# concurrency groups besides the default one (which runs `execute` in submission order):
-# the relay's follow loop holds one; probes and fault injection answer from the other
-CONCURRENCY_GROUPS = {"relay": 1, "control": 1}
-METHOD_GROUPS = {"follow": "relay", "ping": "control", "progress": "control", "sleep": "control"}
-
-
-class StageActor(RelayMember):
-    """The body of one Ray actor: a `StageWorker` for (stage, tp_rank) in its own process,
-    on the device the driver decided ("cuda": the one GPU Ray gave it, or "cpu")."""
-
-    def __init__(self, cfg: Config, stage: int, tp_rank: int, checkpoint: str | None, device: str):
-        import ray
-        import torch
-
-        from pp_runtime.worker.device import resolve_device
-
-        workers_here = cfg.parallel.tp * cfg.parallel.pp
-        torch.set_num_threads(cfg.runtime.threads_per_worker
-                              or max(1, (os.cpu_count() or 1) // workers_here))
-        self.cfg, self.stage, self.tp_rank, self.checkpoint = cfg, stage, tp_rank, checkpoint
-        self.device = resolve_device(device)  # raises if Ray gave this actor no GPU
-        self.worker, self.relay, self.following = None, None, False
-        self.stall_s, self.started, self.done = 0.0, 0, 0
-        lo, hi = cfg.stage_layers(stage)
-        self.label = (f"stage={stage} tp_rank={tp_rank} layers [{lo}, {hi}) "
-                      f"node {ray.util.get_node_ip_address()}")
-
-    def __repr__(self) -> str:  # Ray shows it as the actor's Repr in the dashboard
-        return self.label
-
-    def rendezvous_address(self, local: bool) -> tuple[str, int]:
-        """Where rank 0 can listen: this node's address (127.0.0.1 for a local Ray), a free port."""
-        import ray
-
-        addr = "127.0.0.1" if local else ray.util.get_node_ip_address()
-        return addr, free_port(addr)
-
-    def start(self, spec: DistSpec, relay: bool = False) -> list[str]:
-        """Join the process group (and, with `relay`, the stage's control channel: every
-        rank creates every stage's, in order), warm its communicators up, build the
-        worker; returns what the warm-up exchanged (`parallel/p2p.warm_up`)."""
-        from pp_runtime.parallel.groups import init_distributed
-        from pp_runtime.parallel.p2p import warm_up
-        from pp_runtime.worker.stage import StageWorker
-
-        rank = self.stage * spec.tp + self.tp_rank
-        groups = init_distributed(spec, rank)
-        if relay:  # every rank creates every stage's control group, in stage order
-            self.join_relay(spec, rank)
-        warmed = warm_up(groups, self.device)
-        self.worker = StageWorker(self.cfg, self.stage, self.device, self.checkpoint, groups)
-        return warmed
-
-    def execute(self, mb: MicroBatch):
-        """(tokens or None, timing); under the relay (TP rank 0 only), the plan goes to
-        the stage's other TP ranks first and the timings are every TP rank's, in order."""
-        return self._run(mb) if self.relay is None else self.lead(mb)
-
-    def _run(self, mb: MicroBatch):
-        stall, self.stall_s = self.stall_s, 0.0
-        if stall:
-            time.sleep(stall)
-        self.started += 1
-        out, timing = self.worker.execute(mb)
-        self.done += 1
-        tokens = out.tokens if isinstance(out, SampledTokens) and self.tp_rank == 0 else None
-        return tokens, timing
-
-    def layers(self) -> tuple[int, int]:
-        """Layers [lo, hi) this rank's worker holds: the split that runs."""
-        return self.worker.lo, self.worker.hi
-
-    def progress(self) -> int:
-        """Micro-batches this rank has started plus those it has finished (answered from
-        its own concurrency group, outside the compiled graph's thread and the follow
-        loop): the hung rank is the one furthest behind, also where its TP peers wait for
-        it inside the same micro-batch."""
-        return self.started + self.done
-
-    def ping(self) -> bool:
-        """The liveness probe's call: answering is the proof of life."""
-        return True
-
-    def sleep(self, seconds: float) -> None:
-        """Fault injection for tests: stall this worker's next micro-batch by `seconds` (a
-        compiled graph runs `execute` on a thread of its own, so the stall goes there)."""
-        self.stall_s = seconds
-
-    def shutdown(self) -> None:
-        from pp_runtime.parallel.groups import destroy
-
-        if self.following:  # its loop still holds the process groups: the kill ends both
-            return
-        if self.relay is not None:
-            self.relay.flush()
-        if self.worker is not None and self.worker.link is not None:
-            self.worker.link.flush()
-        destroy()
-
-
-def stage_actor_class(ray, relay: bool):
-    """`StageActor` as a Ray actor class: with the relay's concurrency groups (each call
-    names its group, `RayExecutor._call`), else a plain actor, whose calls run on its own
-    thread (a threaded actor costs every call ~0.4 ms more here: docs/distributed.md)."""
-    if relay:
-        return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageActor)
-    return ray.remote(StageActor)
 
 
 class RayExecutor(CompiledGraphPath, RelayPath):
