@@ -120,7 +120,8 @@ class StageActor(RelayMember):
 def stage_actor_class(ray, relay: bool):
     """`StageActor` as a Ray actor class: with the relay's concurrency groups (each call
     names its group, `RayExecutor._call`), else a plain actor, whose calls run on its own
-    thread (a threaded actor costs every call ~0.4 ms more here: docs/distributed.md)."""
+    thread (measured no cheaper per call than a grouped one: docs/distributed.md; plain
+    keeps Ray's default where nothing needs a second thread)."""
     if relay:
         return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageActor)
     return ray.remote(StageActor)
