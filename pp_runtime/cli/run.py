@@ -181,7 +181,7 @@ def cmd_run(args) -> int:
     print(f"model {m.name} ({m.family}, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"{m.num_params() / 1e6:.1f}M params, {m.dtype}) on {llm.executor.describe()}, "
           f"tp={p.tp} pp={p.pp}, planner {cfg.planner.planner}: chunk {cfg.planner.chunk_size}, "
-          f"B={cfg.planner.max_batch_size}; {kv_cache_text(cfg)}; "
+          f"B={cfg.planner.max_batch_size or '-'}; {kv_cache_text(cfg)}; "
           f"ready in {time.perf_counter() - t0:.1f} s")
     seed = args.seed or 0
     rng = random.Random(seed)

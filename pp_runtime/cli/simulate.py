@@ -109,7 +109,7 @@ def cmd_compare(args) -> int:
     for config, cfg in configs:
         label = f"{Path(config).stem}-{cfg.planner.planner}"
         print(f"== {label}: {cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
-              f"dp={cfg.parallel.dp}, B={cfg.planner.max_batch_size}, "
+              f"dp={cfg.parallel.dp}, B={cfg.planner.max_batch_size or '-'}, "
               f"{cfg.workload.num_requests} requests", flush=True)
         report = (_simulate_to if args.simulate else run_to)(cfg, out / label, not args.quiet)
         print("\n".join(format_summary(report).splitlines()[1:]), flush=True)  # what == named

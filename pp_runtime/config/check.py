@@ -128,15 +128,16 @@ def _check_parallel_fits(m, p) -> None:
 def _check_planner(pl) -> None:
     _check(pl.planner in PLANNERS, "planner.planner", f"unknown planner {pl.planner!r}",
            f"use one of {', '.join(PLANNERS)}")
-    _check(pl.chunk_size >= 1, "planner.chunk_size", f"must be >= 1, got {pl.chunk_size}",
-           "use e.g. 256 (tile-aligned)")
-    _check(pl.max_batch_size >= 1, "planner.max_batch_size",
-           f"must be >= 1, got {pl.max_batch_size}", "use e.g. 8")
+    _check(pl.chunk_size is None or pl.chunk_size >= 1, "planner.chunk_size",
+           f"must be >= 1, got {pl.chunk_size}", "use e.g. 256 (tile-aligned), or leave it unset")
+    _check(pl.max_batch_size is None or pl.max_batch_size >= 1, "planner.max_batch_size",
+           f"must be >= 1, got {pl.max_batch_size}", "use e.g. 8, or leave it unset")
     _check(pl.tile_size >= 1, "planner.tile_size", f"must be >= 1, got {pl.tile_size}", "use 128")
     _check(pl.planner not in ("sarathi", "uniform") or not pl.tile_align
+           or pl.chunk_size is None or pl.max_batch_size is None
            or pl.chunk_size >= pl.max_batch_size, "planner.chunk_size",
            f"chunk_size {pl.chunk_size} leaves no prefill token beside "
-           f"{pl.max_batch_size - 1} piggybacked decodes",
+           f"{(pl.max_batch_size or 1) - 1} piggybacked decodes",
            "raise chunk_size above max_batch_size or set tile_align: false")
     _check(pl.token_budget is None or pl.token_budget >= 1, "planner.token_budget",
            f"must be >= 1, got {pl.token_budget}", "leave it unset for max_seq_len")
@@ -147,8 +148,10 @@ def _check_planner(pl) -> None:
                "use gLLM's default (maxp 8192, minp 32, iterp 8, maxd 512)")
     _check(pl.gllm_kvthresh is None or 0 <= pl.gllm_kvthresh < 1, "planner.gllm_kvthresh",
            f"must be in [0, 1), got {pl.gllm_kvthresh}", "use e.g. 0.05, or leave it unset")
-    _check(pl.spread >= 0, "planner.spread", f"must be >= 0 rounds, got {pl.spread}",
-           "0 turns it off; 4 is the default")
+    for slo in ("tbt_slo_ms", "ttft_slo_ms"):
+        v = getattr(pl, slo)
+        _check(v is None or v > 0, f"planner.{slo}", f"must be > 0 ms, got {v}",
+               "leave it unset for no target (uniform then fills to the throughput knee)")
     _check(pl.target_ms is None or pl.target_ms > 0, "planner.target_ms",
            f"must be > 0, got {pl.target_ms}", "leave it unset for the default target")
 

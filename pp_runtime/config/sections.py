@@ -18,6 +18,9 @@ from pp_runtime.core.dtypes import AUTO_DTYPE, DTYPES
 from pp_runtime.core.errors import ConfigError
 from pp_runtime.core.workload import WorkloadConfig
 
+DEFAULT_CHUNK = 256  # C of the fixed-budget planners when chunk_size is unset (SARATHI's)
+DEFAULT_ROWS = 8  # B of the fixed-B planners with neither max_batch_size nor kv_slots
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -135,23 +138,29 @@ class CacheConfig:
 @dataclass(frozen=True)
 class PlannerConfig:
     planner: str = "uniform"  # micro-batch policy (docs/planner.md; uniform: measured best)
-    chunk_size: int = 256  # prefill tokens per micro-batch (C); tile-aligned with decodes
-    #                        (sarathi-serve: the whole token budget, decodes included)
-    max_batch_size: int = 8  # B: sequences per micro-batch (1 prefill chunk + B-1 decodes)
+    chunk_size: int | None = None  # prefill tokens per micro-batch (C). The fixed-budget
+    #                               planners (sarathi, sarathi-serve, orca...): None = 256,
+    #                               tile-aligned with decodes. uniform: an optional cap (its
+    #                               budget is time, from tbt_slo_ms)
+    max_batch_size: int | None = None  # B: sequences per micro-batch. The fixed-B planners:
+    #                                    None = kv_slots / pp (the paper's B from memory),
+    #                                    else 8. uniform: an optional cap (KV pages and time
+    #                                    bound its rows)
     tile_size: int = 128  # GPU matmul tile; chunk + decodes should be a multiple of it
     tile_align: bool = True  # shrink the chunk by the piggybacked decodes so chunk + decodes = C
     token_budget: int | None = None  # vllm: prefill tokens per micro-batch; None = max_seq_len
-    target_ms: float | None = None  # uniform: cap on a micro-batch's predicted ms (the
-    #                                 simulator's cost model); None = no cap (docs/planner.md)
+    tbt_slo_ms: float | None = None  # uniform: the deployment's p99 time-between-tokens target;
+    #                                  each micro-batch is filled to 0.9 x it / in_flight of
+    #                                  predicted time. None: the throughput knee (docs/planner.md)
+    ttft_slo_ms: float | None = None  # uniform: the p99 time-to-first-token target; the queue's
+    #                                   prompts get the share of each micro-batch it needs
+    target_ms: float | None = None  # uniform: a micro-batch's predicted ms set by hand (in
+    #                                 place of the one derived from tbt_slo_ms)
     chunk_pipelining: bool = True  # a prompt's next chunk may enter the pipeline while its
     #                                previous chunks are in flight (stages run in order, so
     #                                its KV is written first); false: one micro-batch at a time
     pack_prefills: bool = True  # uniform: a prompt's last chunk leaves room -> the next
     #                             prompt's first chunk fills it
-    spread: int = 4  # uniform: ceil(R / pp) of R running decodes per micro-batch, and when
-    #                  prompt tokens are scarce an even share of them over this many rounds
-    #                  of the pipeline, each micro-batch filled to the same predicted time
-    #                  (docs/planner.md); 0 = off (SARATHI's budget)
     in_flight: int | None = None  # micro-batches in the pipeline at once; None = pp + 1
     #                               (pp > 1: one more hides the return of results to the
     #                               planner, as vLLM's async scheduling does), 1 with pp = 1
@@ -250,7 +259,19 @@ class Config:
     def num_slots(self) -> int:
         """KV memory in whole contexts of seq_len tokens (cache.kv_slots, else pp * B); with
         cache.paged: false also the requests admitted at once. Blocks: `memory.kv_blocks`."""
-        return self.cache.kv_slots or self.parallel.pp * self.planner.max_batch_size
+        return self.cache.kv_slots or self.parallel.pp * self.batch_rows
+
+    @property
+    def batch_rows(self) -> int:
+        """B of the fixed-B planners: planner.max_batch_size, else what the KV slots give a
+        micro-batch (kv_slots / pp: the paper's B from memory), else 8."""
+        b, slots = self.planner.max_batch_size, self.cache.kv_slots
+        return b or (max(1, slots // self.parallel.pp) if slots else DEFAULT_ROWS)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """C of the fixed-budget planners: planner.chunk_size, else 256 (the paper's)."""
+        return self.planner.chunk_size or DEFAULT_CHUNK
 
     # ---- pipeline stages -----------------------------------------------------------
     def layers_per_stage(self) -> list[int]:

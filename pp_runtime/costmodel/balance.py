@@ -40,13 +40,14 @@ def typical_microbatches(cfg: Config) -> list[tuple[float, list[tuple[int, int]]
     """(weight, prefills, decode KV lengths) of the micro-batches per prefill chunk of a
     SARATHI run of this workload: one full micro-batch, and the decode-only ones."""
     pl, w = cfg.planner, cfg.workload
-    decodes, kv = pl.max_batch_size - 1, max(1, cfg.seq_len // 2)
-    chunk = max(1, pl.chunk_size - decodes if pl.tile_align else pl.chunk_size)
+    rows, size = cfg.batch_rows, cfg.chunk_tokens
+    decodes, kv = rows - 1, max(1, cfg.seq_len // 2)
+    chunk = max(1, size - decodes if pl.tile_align else size)
     d_per_p = w.output_len / w.prompt_len if w.kind == "fixed" else 1 / w.pd_ratio
-    decode_only = max(0.0, chunk * d_per_p - decodes) / pl.max_batch_size
+    decode_only = max(0.0, chunk * d_per_p - decodes) / rows
     mix = [(1.0, [(0, chunk)], [kv] * decodes)]
     if decode_only > 0:
-        mix.append((decode_only, [], [kv] * pl.max_batch_size))
+        mix.append((decode_only, [], [kv] * rows))
     return mix
 
 

@@ -108,10 +108,10 @@ def _upto(grid: tuple[int, ...], cap: int, extra: tuple[int, ...] = ()) -> tuple
 
 def profile_grid(cfg: Config, quick: bool = False) -> ProfileGrid:
     """The points `measure_profile(cfg, quick=quick)` measures."""
-    i, L, B = int(quick), cfg.seq_len, cfg.planner.max_batch_size
+    i, L, B = int(quick), cfg.seq_len, cfg.batch_rows
     tokens = _upto(TOKENS[i], L + B)  # the largest micro-batch: a whole prompt + decodes
     # fractions of L keep a short sequence length at several chunks and cache sizes
-    chunks = _upto(CHUNKS[i], L, (cfg.planner.chunk_size, L // 8, L // 4, L // 2))
+    chunks = _upto(CHUNKS[i], L, (cfg.chunk_tokens, L // 8, L // 4, L // 2))
     cached = sorted({*CACHED[i], L // 4, L // 2})
     prefills = tuple((c, k) for c in chunks if c >= 1 for k in cached if c + k <= L)
     decode_k = [k for k in _upto(DECODE_CACHED[i], L - 1, (L // 2,)) if k >= 1]

@@ -210,7 +210,7 @@ def smallest_deployment(cfg: Config, usable_bytes: float,
     tps = [t for t in range(1, min(cuts, cfg.hardware.gpus_per_node) + 1) if cuts % t == 0]
     for tp, pp in sorted(((t, p) for t in tps for p in range(1, m.num_layers + 1)),
                          key=lambda d: (d[0] * d[1], d[1])):
-        slots = c.kv_slots or pp * cfg.planner.max_batch_size
+        slots = c.kv_slots or pp * cfg.batch_rows
         if all(stage_memory(cfg, s, dtype_bytes, tp, pp, slots).total_bytes <= usable_bytes
                for s in range(pp)):
             return tp, pp

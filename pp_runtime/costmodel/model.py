@@ -100,8 +100,8 @@ class StageCostModel:
         self._prefill = pricing.attention.prefill  # (start, n) -> s per layer
         self._decode = pricing.attention.decode  # (count, sum_kv) -> s per layer
         self._size = 0
-        longest = max(cfg.seq_len, cfg.planner.chunk_size, cfg.planner.token_budget or 0)
-        self._grow(longest + cfg.planner.max_batch_size + 1)
+        longest = max(cfg.seq_len, cfg.chunk_tokens, cfg.planner.token_budget or 0)
+        self._grow(longest + cfg.batch_rows + 1)
 
     def _grow(self, size: int) -> None:
         """Per-token-count tables (Python lists: no numpy scalars on the hot path)."""

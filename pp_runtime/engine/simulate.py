@@ -50,6 +50,18 @@ def check_memory(cfg: Config) -> None:
                       f"one {cfg.hardware.gpu} ({gb:g} GB x cache.memory_utilization {util:g})")
 
 
+def sim_depth(cfg: Config, cost: StageCost) -> Config:
+    """cfg with `uniform`'s in-flight depth resolved for a simulated pipeline: pp + 1 hides
+    the return of a result to the planner (host time), so where the cost model prices none
+    (no calibration) `uniform` runs pp in flight, and a decode's round is pp micro-batches,
+    not pp + 1. The fixed-B planners keep pp + 1 (their extra micro-batch adds B rows)."""
+    host = getattr(cost, "host", None)
+    if (cfg.planner.planner != "uniform" or cfg.planner.in_flight is not None
+            or cfg.parallel.pp == 1 or host is not None):
+        return cfg
+    return cfg.with_overrides(in_flight=cfg.parallel.pp)
+
+
 def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True) -> RunResult:
     """Run cfg's workload through cfg's planner on the simulated pipeline; ConfigError first
     if the deployment does not fit in the simulated GPUs' memory or its KV slots. Ctrl-C
@@ -59,6 +71,7 @@ def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True) 
     if cost is None:
         from pp_runtime.costmodel import build_cost_model
         cost = build_cost_model(cfg)
+    cfg = sim_depth(cfg, cost)
     specs = generate(cfg.workload)
     check_fits(cfg, specs)
     # prompts of token 0 in O(1) memory each: only their lengths matter to the simulator

@@ -66,7 +66,7 @@ def upper_bound(cfg: Config, mean_tokens: float, replicas: int) -> float:
     from pp_runtime.costmodel import build_cost_model
 
     cost = build_cost_model(cfg)
-    top = cfg.planner.chunk_size + cfg.planner.max_batch_size
+    top = cfg.chunk_tokens + cfg.batch_rows
     sizes = sorted({max(1, round(top / 2 ** k)) for k in range(12)})
     per_token = min(max(cost.stage_times([(0, t)], [])) / t for t in sizes)
     return replicas / (mean_tokens * per_token)
@@ -78,9 +78,8 @@ def likely_tbt_s(cfg: Config, mean_tokens: float) -> float:
     likely feasible first), never prunes it."""
     from pp_runtime.costmodel import build_cost_model
 
-    pl = cfg.planner
-    stage = max(build_cost_model(cfg).stage_times([(0, pl.chunk_size)],
-                                                  [max(1, int(mean_tokens / 2))] * (pl.max_batch_size - 1)))
+    stage = max(build_cost_model(cfg).stage_times([(0, cfg.chunk_tokens)],
+                                                  [max(1, int(mean_tokens / 2))] * (cfg.batch_rows - 1)))
     return cfg.in_flight * stage
 
 

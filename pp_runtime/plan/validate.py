@@ -101,7 +101,7 @@ def validate(args, rank: list[Result], configs: dict, slo: Slo, out: Path) -> in
     ref = replace(ref, model=base.model, workload=base.workload,
                   hardware=base.hardware).validate()
     ref_cand = Candidate(Layout(ref.parallel.tp, ref.parallel.pp, 1), ref.planner.planner,
-                         ref.planner.chunk_size, ref.planner.max_batch_size, ref.in_flight, "config")
+                         ref.chunk_tokens, ref.batch_rows, ref.in_flight, "config")
     rows = [(f"#{i} {r.candidate.name}", r.candidate, configs[r.candidate]) for i, r in enumerate(chosen, 1)]
     rows.append((f"reference {args.reference}", ref_cand, ref))
     log(f"\nvalidate: {n} requests per probe, for real on this machine (p99 SLOs as planned)")

@@ -29,13 +29,16 @@ from pp_runtime.planner.cost import CostModel
 from pp_runtime.core.request import FinishReason, Request
 
 
+UNBOUNDED_ROWS = 1 << 30  # rows of a planner with no B (slices take it: not float inf)
+
+
 class BasePlanner:
     name = "base"
 
     def __init__(self, cfg: Config, cost_model: CostModel | None = None):
         pl = cfg.planner
         self.cfg = cfg
-        self.chunk_size, self.max_batch, self.tile_align = pl.chunk_size, pl.max_batch_size, pl.tile_align
+        self.chunk_size, self.max_batch, self.tile_align = cfg.chunk_tokens, cfg.batch_rows, pl.tile_align
         self.pipelining = pl.chunk_pipelining
         self.eos = cfg.model.eos_token_id
         self.kv = KVBlocks(cfg)
@@ -238,6 +241,6 @@ class BasePlanner:
 
 def warn_untiled(cfg: Config) -> None:
     pl = cfg.planner
-    if pl.tile_align and pl.chunk_size % pl.tile_size:
+    if pl.tile_align and pl.chunk_size and pl.chunk_size % pl.tile_size:
         warnings.warn(f"planner.chunk_size {pl.chunk_size} is not a multiple of tile_size "
                       f"{pl.tile_size}: matmuls waste part of a tile", stacklevel=3)

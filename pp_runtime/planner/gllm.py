@@ -37,7 +37,7 @@ from collections import deque
 
 from pp_runtime.core.batch import SeqChunk
 from pp_runtime.config import Config
-from pp_runtime.planner.base import BasePlanner
+from pp_runtime.planner.base import UNBOUNDED_ROWS, BasePlanner
 from pp_runtime.planner.blocks import KVBlocks
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.core.request import Request
@@ -52,6 +52,7 @@ class GllmPlanner(BasePlanner):
         super().__init__(cfg, cost_model)
         pl = cfg.planner
         self.maxp, self.minp, self.iterp = pl.gllm_maxp, pl.gllm_minp, pl.gllm_iterp
+        self.max_batch = pl.max_batch_size or UNBOUNDED_ROWS  # gLLM has no B: maxd
         self.rows = min(pl.gllm_maxd, self.max_batch)
         self.pp = cfg.parallel.pp
         self.throttle = cfg.parallel.pp * cfg.parallel.tp > 1  # gLLM: get_world_size() > 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pp_runtime.core.batch import SeqChunk
 from pp_runtime.config import Config
-from pp_runtime.planner.base import BasePlanner, warn_untiled
+from pp_runtime.planner.base import UNBOUNDED_ROWS, BasePlanner, warn_untiled
 from pp_runtime.planner.cost import CostModel
 
 
@@ -36,6 +36,7 @@ class SarathiServePlanner(BasePlanner):
     def __init__(self, cfg: Config, cost_model: CostModel | None = None):
         super().__init__(cfg, cost_model)
         warn_untiled(cfg)  # C is the whole micro-batch: a multiple of the tile wastes nothing
+        self.max_batch = cfg.planner.max_batch_size or UNBOUNDED_ROWS  # none in Sarathi-Serve
 
     def admit(self, now: float) -> None:
         """Nothing before composing: phase 3 admits a prompt only with a chunk to run."""

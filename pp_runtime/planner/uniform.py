@@ -1,133 +1,228 @@
-"""`uniform`: every micro-batch carries the same work, so no stage waits on another.
+"""`uniform`: micro-batches sized by the deployment's latency target, not by hand knobs.
 
-A pipeline runs at the pace of its slowest micro-batch: one heavier than the rest makes
-every later stage wait for it (the `upstream` bubble), one lighter leaves its stages idle
-while the heavier one ahead finishes. SARATHI's micro-batches are equal in tokens except
-where a prompt ends: its last chunk is short, and that micro-batch is light. `uniform`
-composes each micro-batch as SARATHI does, decodes first, then prefill up to the token
-budget (C, less one per decode with tile alignment), and:
+The budget (`planner/budget.py`): K, the cost model's throughput knee (tokens per
+micro-batch, decodes included, past which more tokens stop lowering the time per token),
+and with a TBT target S (`planner.tbt_slo_ms`) the pipeline clock: a micro-batch may come
+back no later than 0.95 x S after the last token of each decode it carries (and of each
+request in flight behind it). With no target only K bounds it, so an offline batch runs
+at the knee. Each micro-batch:
 
-- packs: when a prompt's last chunk leaves room, the next prompts' chunks fill it
-  (`planner.pack_prefills`; Sarathi-Serve and DeepSpeed-FastGen pack the same way), so
-  every micro-batch with prefill work carries exactly C tokens: whole matmul tiles, the
-  same linear time;
-- spreads (`planner.spread`, pp > 1): with R requests decoding, each micro-batch takes at
-  most ceil(R / pp) of the ready decodes, so decodes ride in every micro-batch of a round
-  instead of in a few (gLLM's balanced decode budget); and when the prompt tokens left
-  are fewer than fill the next `spread` rounds of the pipeline (spread x in_flight
-  micro-batches; decode-heavy traffic, a batch's tail), their even share over those
-  micro-batches sets a predicted time T = time(ceil(R / pp) decodes at the mean KV length,
-  the share of prefill) and every micro-batch's prefill is sized so that the micro-batch
-  takes T: lighter where its decodes attend to long KV, heavier where few decodes were
-  ready. With prompt tokens to spare every micro-batch gets its full chunk, as SARATHI's;
-- with `planner.target_ms`, also caps each micro-batch's *predicted time* (attention over
-  long KV, the paper's PB3, or a chunk late in a long prompt): the chunk that would
-  overshoot is cut to the largest that fits (never under C / 8 tokens).
-
-Measured (benchmarks/planners.py, docs/planner.md): the time cap lowers bubbles and the
-p99 time between tokens but costs makespan, because a cut chunk still pays for whole
-matmul tiles; so it is off unless asked for. Predicted times come from the one cost model
-the simulator uses (`costmodel/`, `build_cost_model`): the same prices plan the real
-runtime and the simulated one.
+  1. decodes first, spread evenly: at most ceil(R / pp) of the R requests decoding, oldest
+     first (gLLM's balanced decode budget), so every micro-batch of a round carries its
+     share instead of the ones the tokens came back in;
+  2. then prefill chunks, oldest prompt first, up to K tokens in all and the round's
+     deadline (binary search on the cost model); when the admitted prompts hold fewer
+     tokens than the round can take, an even share of them per micro-batch (left / depth),
+     so prompt work spreads over the round instead of making a few micro-batches heavy.
+     A prompt's last chunk leaves room to the next prompts (packing); its next chunk may
+     follow the previous ones in flight (chunk pipelining). With no decode aboard at least
+     K / 8 tokens go, so prompts always move.
+Rows are bounded by KV pages and by time, not by a hand count:
+  - admission (FCFS) takes a request when the pages of its prompt are free beyond a share
+    (`RESERVE`) of the growth the running requests still owe (their expected output:
+    `max_tokens` times the share finished requests used);
+  - with a TBT target, admission also stops at the rows the period holds: depth x the
+    decodes that fit in T = 0.95 x S / depth beside a prefill share (K / 8, or with a TTFT
+    target `planner.ttft_slo_ms` what the queue needs per micro-batch to reach its first
+    tokens in time), at the running requests' mean mid-life KV length.
+`chunk_size` and `max_batch_size` are optional caps (tokens and rows per micro-batch);
+`target_ms` sets T by hand. Predictions are corrected by what comes back: the pipeline
+clock shifts by each returned micro-batch's error, and `TimeBudget.observe` scales stage
+times by measured / predicted, so a slower pipeline than priced gets smaller micro-batches.
+docs/planner.md has the measurements (benchmarks/goodput.py).
 """
 from __future__ import annotations
 
-from pp_runtime.core.batch import SeqChunk
 from pp_runtime.config import Config
+from pp_runtime.core.batch import MicroBatch, SampledTokens, SeqChunk
+from pp_runtime.core.request import Request
+from pp_runtime.planner.base import UNBOUNDED_ROWS, BasePlanner
+from pp_runtime.planner.budget import MARGIN, PipelineClock, TimeBudget
 from pp_runtime.planner.cost import CostModel
-from pp_runtime.planner.sarathi import SarathiPlanner
 
-MAX_PACKED = 4  # prefill chunks in one micro-batch, at most
+MAX_PACKED = 16  # prefill chunks in one micro-batch, at most
+QUEUE_LOOKAHEAD = 8  # waiting requests whose TTFT deadlines set the prefill share
 INF = float("inf")
+RESERVE = 0.3  # share of the running requests' expected growth admission keeps free (gLLM
+#               reserves 0.7 -> 0.1 of it; a preemption recomputes what the rest misses)
 
 
-class UniformPlanner(SarathiPlanner):
+class UniformPlanner(BasePlanner):
     name = "uniform"
 
     def __init__(self, cfg: Config, cost_model: CostModel | None = None):
         super().__init__(cfg, cost_model)
-        self.pack = cfg.planner.pack_prefills
-        self.min_chunk = max(1, self.chunk_size // 8)
-        target = cfg.planner.target_ms
-        self.target_s = INF if target is None else target / 1e3
-        self.pp, self.depth = cfg.parallel.pp, cfg.in_flight
-        self.spread = cfg.planner.spread if self.pp > 1 else 0  # rounds; 0 = off
-        if (target is not None or self.spread) and cost_model is None:
+        pl = cfg.planner
+        if cost_model is None:
             from pp_runtime.costmodel import build_cost_model  # the simulator's, for real runs too
             cost_model = build_cost_model(cfg)
-        self.cost = cost_model
+        self.pp, self.depth = cfg.parallel.pp, cfg.in_flight
+        ms = lambda v: None if v is None else v / 1e3  # noqa: E731
+        self.budget = TimeBudget(cost_model, self.depth, pl.tile_size, ms(pl.tbt_slo_ms),
+                                 ms(pl.ttft_slo_ms), ms(pl.target_ms))
+        self.bounded = pl.tbt_slo_ms is not None or pl.target_ms is not None
+        self.pack = pl.pack_prefills
+        self.max_batch = pl.max_batch_size or UNBOUNDED_ROWS  # rows: pages and T bound them
+        self.top = min(pl.chunk_size or self.budget.knee_tokens, self.budget.knee_tokens)
+        self.min_chunk = max(1, self.top // 8)
+        self.seq_len = cfg.seq_len
+        self.out_share = 1.0  # of max_tokens, what finished requests generated (moving average)
+        self.predicted: dict[int, float] = {}  # mb_id -> predicted seconds
+        self.clock = PipelineClock(cost_model, self.pp)
+        self.last_token_s: dict[int, float] = {}  # request id -> when its last token came
+        self.floor_s = cost_model.microbatch_time([], [1])  # a decode-only micro-batch
+        self.margin = MARGIN
 
+    # ---- admission ---------------------------------------------------------------------
+    def expected_len(self, r: Request) -> float:
+        """KV length at the end: the prompt and the output the request is expected to make."""
+        cap = min(r.params.max_tokens, self.seq_len - r.prompt_len)
+        return r.prompt_len + max(len(r.output_token_ids), self.out_share * cap)
+
+    def admit(self, now: float) -> None:
+        """FCFS while the prompt's pages are free beyond the running requests' expected
+        growth, and (with a TBT target) while the rows fit the time budget."""
+        waiting, running, kv = self.waiting, self.running, self.kv
+        if not waiting or waiting[0].arrival_s > now:
+            return
+        owed, life = 0, 0.0
+        for r in running:
+            final = kv.blocks_for(int(self.expected_len(r)))
+            owed += max(0, final - len(r.blocks)) * RESERVE
+            life += (r.prompt_len + self.expected_len(r)) / 2
+        free = kv.pool.num_free - int(owed)
+        rows = self.row_cap(now, life / len(running) if running else None)
+        while waiting and waiting[0].arrival_s <= now and len(running) < min(self.max_running, rows):
+            req = waiting[0]
+            need = kv.need(req)
+            final = kv.blocks_for(int(self.expected_len(req))) if kv.paged else need
+            growth = (final - need) * RESERVE
+            if running and need + growth > free - kv.watermark:
+                return
+            if not kv.admit(req, watermark=bool(running)):
+                return
+            free -= need + growth
+            running.append(waiting.popleft())
+
+    def row_cap(self, now: float, life_kv: float | None) -> float:
+        """Requests that may run at once under the time budget: depth x the decodes that fit
+        in T beside the prefill share, at the running requests' mean mid-life KV length."""
+        if not self.bounded:
+            return INF
+        b, period = self.budget, self.budget.period_s
+        kv = int(life_kv or self.waiting[0].prompt_len + 1)
+        share = min(self.top, max(self.min_chunk, self.prefill_need(now)))
+        fits = lambda d: b.time([(0, share)], [kv] * d) <= period  # noqa: E731
+        return max(1, b.largest(fits, 4096)) * self.depth
+
+    def prefill_need(self, now: float) -> int:
+        """Prompt tokens per micro-batch that bring the first waiting requests to their
+        first token within the TTFT target (0 without one)."""
+        b = self.budget
+        if b.ttft_slo_s is None:
+            return 0
+        per_mb = b.base_s  # seconds of one micro-batch
+        tokens = sum(r.prefill_len - r.num_scheduled for r in self.running
+                     if r.num_scheduled < r.prefill_len)
+        need = 0.0
+        for i, r in enumerate(self.waiting):
+            if i == QUEUE_LOOKAHEAD or r.arrival_s > now:
+                break
+            tokens += r.prefill_len
+            slack = b.ttft_slo_s - (now - r.arrival_s) - self.pp * per_mb
+            need = max(need, tokens * per_mb / max(slack, per_mb))
+        return int(need)
+
+    # ---- composing ---------------------------------------------------------------------
     def compose(self, now: float) -> list[SeqChunk]:
-        prefilling = self.prefilling()
-        limit = self.max_batch - 1 if prefilling else self.max_batch
-        ready = [r for r in self.idle() if r.num_scheduled >= r.prefill_len]
-        target = self.target_s
-        if self.spread:
-            share, target = self.even_shares(limit)
-            limit = min(limit, share)
-        seqs = [self.decode(r) for r in ready[:limit]]
-        if prefilling:
-            seqs += self.fill([s.kv_len for s in seqs], prefilling, target)
-        return seqs
-
-    def even_shares(self, limit: int) -> tuple[int, float]:
-        """The decodes one micro-batch takes (ceil(R / pp) of the R decoding requests) and
-        the predicted time its prefill fills up to: the time cap when prompt tokens are
-        plentiful, else the time of a micro-batch with that many decodes at the mean KV
-        length and its even share of the prompt tokens left over the next `spread` rounds."""
-        kv_sum = decoding = left = 0
-        start = None
+        decoding, ready, left = 0, [], 0
         for r in self.running:  # one pass: this runs for every micro-batch
             if r.num_scheduled >= r.prefill_len:
-                decoding, kv_sum = decoding + 1, kv_sum + r.num_scheduled
+                decoding += 1
+                if r.num_scheduled == r.num_computed:
+                    ready.append(r)
             else:
                 left += r.prefill_len - r.num_scheduled
-                start = r.num_scheduled if start is None else start
-        share = max(1, -(-decoding // self.pp))
-        horizon = self.spread * self.depth  # micro-batches the prompt tokens left spread over
-        decodes = min(share, limit)
-        room = self.chunk_size - (decodes if self.tile_align else 0)
-        if start is None or decoding < self.pp or left >= horizon * room:  # (no decodes to
-            return share, self.target_s  # ride along: fill the pipeline with full chunks)
-        kv = [kv_sum // decoding + 1] * decodes
-        even = self.cost.microbatch_time([(start, -(-left // horizon))], kv)
-        return share, min(even, self.target_s)
+        prefilling = self.prefilling()
+        share = -(-decoding // self.pp)  # an even share of the decodes over the round
+        limit = min(share, self.max_batch - 1 if prefilling else self.max_batch)
+        seqs = [self.decode(r) for r in ready[:limit]]
+        kv = [s.kv_len for s in seqs]
+        bound = self.round_bound(now, [s.request_id for s in seqs])
+        if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
+            even = max(self.min_chunk, -(-left // self.depth))
+            seqs += self.fill(now, kv, prefilling, bound, even)
+        return seqs
 
-    def fill(self, kv: list[int], prefilling: list, target: float = INF) -> list[SeqChunk]:
-        """Prefill chunks beside decodes of these KV lengths, up to the budget (C tokens in
-        all with tile alignment, else C prefill tokens) and the predicted-time `target`:
-        the first prompt's next chunk, then (packing) the next prompts' first ones. A
-        micro-batch without decodes takes at least C / 8 tokens, so prompts move."""
+    def round_bound(self, now: float, decodes: list[int]) -> float:
+        """The latest the next micro-batch may come back (TBT target; inf without): S after
+        the last token of each decode it carries, and S after each micro-batch in flight
+        returns less the decode-only micro-batches that must follow it first."""
+        b = self.budget
+        if b.tbt_slo_s is None:
+            return INF
+        s, last = b.tbt_slo_s * self.margin, self.last_token_s
+        bound = min((last.get(rid, now) for rid in decodes), default=now) + s
+        step, nxt = self.floor_s * b.residual, self._next_mb
+        for mb_id, done in self.clock.done.items():
+            bound = min(bound, done + s - (mb_id + self.depth - nxt) * step)
+        return bound
+
+    def fill(self, now: float, kv: list[int], prefilling: list[Request],
+             bound: float, even: int) -> list[SeqChunk]:
+        """Prefill chunks beside decodes of these KV lengths, up to K tokens in all and, with
+        a TBT target, while the micro-batch comes back by `bound`: the first prompt's next
+        chunk, then (packing) the next prompts'. With no decode aboard at least C / 8
+        tokens, so prompts always move."""
         chunks: list[tuple[int, int]] = []
-        room = self.chunk_size - (len(kv) if self.tile_align else 0)
-        out = []
+        room = min(self.top - len(kv), even)
+        out, tokens = [], len(kv)
         for req in prefilling[:MAX_PACKED]:
             start, left = req.num_scheduled, req.prefill_len - req.num_scheduled
-            n = self._largest_fit(chunks, kv, start, min(left, room), target)
-            if n < min(left, self.min_chunk):  # too little time left for a useful chunk
-                if chunks or (kv and target < self.target_s):
-                    break  # (spread: the decodes alone reach the even time)
-                n = min(left, self.min_chunk)  # alone: at least C / 8, so prompts move
+            n = self.largest_chunk(now, chunks, kv, start, min(left, room), bound, tokens)
+            if n < min(left, self.min_chunk):  # too little room for a useful chunk
+                if chunks or kv:
+                    break
+                n = min(left, self.min_chunk)  # alone: prompts always move
             chunks.append((start, n))
             out.append(self.prefill(req, n))
-            room -= n
+            room, tokens = room - n, tokens + n
             if n < left or not self.pack or room <= 0 or len(kv) + len(out) >= self.max_batch:
                 break
         return out
 
-    def _largest_fit(self, chunks: list[tuple[int, int]], kv: list[int], start: int,
-                     hi: int, target: float) -> int:
-        """The largest n <= hi whose chunk (start, n) with `chunks` and the decodes fits
-        the time target; 0 when none does. Times grow with n: binary search."""
-        if hi <= 0:
-            return 0
-        if target == INF:
-            return hi
-        fits = lambda n: self.cost.microbatch_time([*chunks, (start, n)], kv) <= target  # noqa: E731
-        if fits(hi):
-            return hi
-        lo, hi = 0, hi - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo
+    def largest_chunk(self, now: float, chunks: list, kv: list[int], start: int, hi: int,
+                      bound: float, tokens: int) -> int:
+        if bound == INF or hi <= 0:
+            return max(hi, 0)
+        clock, scale = self.clock, self.budget.residual
+        return self.budget.largest(
+            lambda n: clock.completion(now, clock.times([*chunks, (start, n)], kv, scale),
+                                       tokens + n)[-1] <= bound, hi)
+
+    # ---- feedback ----------------------------------------------------------------------
+    def schedule(self, now: float = 0.0) -> MicroBatch | None:
+        mb = super().schedule(now)
+        if mb is not None:
+            prefills = [(s.start, s.num_tokens) for s in mb.seqs if not s.is_decode]
+            kv = [s.kv_len for s in mb.seqs if s.is_decode]
+            times = self.clock.times(prefills, kv, 1.0)
+            self.predicted[mb.mb_id] = max(times)
+            scaled = [t * self.budget.residual for t in times]
+            self.clock.commit(mb.mb_id, self.clock.completion(now, scaled, mb.num_tokens))
+        return mb
+
+    def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
+        predicted = self.predicted.pop(mb.mb_id, 0.0)
+        self.clock.returned(mb.mb_id, now)
+        if out.timings:  # the stage that took longest
+            self.budget.observe(predicted, max(t.compute_s for t in out.timings))
+        last = self.last_token_s
+        for rid in out.tokens:
+            last[rid] = now
+        finished = super().on_result(mb, out, now)
+        for r in finished:
+            last.pop(r.request_id, None)
+            share = len(r.output_token_ids) / r.params.max_tokens
+            self.out_share += 0.05 * (share - self.out_share)
+        return finished

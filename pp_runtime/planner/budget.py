@@ -1,0 +1,153 @@
+"""The time a micro-batch may take, from the deployment's latency targets (`uniform`).
+
+A decode rides one micro-batch of every round of `depth` micro-batches in flight, so the
+time between its tokens is about depth x the period of a micro-batch. For a TBT target S:
+
+    T = margin x S / depth                      (margin: room for the tail)
+
+Beside T, every micro-batch has a token budget K, the throughput knee of the cost model:
+the smallest micro-batch (prefill tokens and decode rows, in whole tiles) whose time per
+token is within `KNEE_SLACK` of the best any size reaches. Past it more tokens stop
+lowering the time per token: they only lengthen the wait for a first token. Below it the
+weights are read for too few tokens. With no target, T is unbounded and K alone sets the
+micro-batch (decodes first, prefill to K), so an offline batch runs at the knee.
+
+T sizes the rows (admission); each micro-batch is then bounded by the round it starts.
+`PipelineClock` replays the pipeline on predicted stage times (in order, stage by stage,
+sends included), so it knows when each micro-batch in flight will come back. A new one
+may end no later than S after the last token of every decode it carries, and no later
+than S after each micro-batch in flight comes back, less the decode-only micro-batches
+that must still follow it before that one's requests ride again: a heavy micro-batch after
+light ones delays every request behind it, and this is what keeps the p99 time between
+tokens within S where micro-batch times change (a burst of prompts after a lull).
+
+Predicted times come from the one cost model (`costmodel/`); `observe` corrects them by
+the measured micro-batches (the residual: measured / predicted over the stage that took
+longest, sends included, a moving average), so a pipeline slower than priced shrinks
+what each micro-batch carries by itself. No torch.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from pp_runtime.core.errors import ConfigError
+from pp_runtime.planner.cost import CostModel
+
+KNEE_SLACK = 0.05  # the knee: time per token within 5 % of the best
+KNEE_MAX_TOKENS = 16384  # largest micro-batch the knee search prices
+MARGIN = 0.95  # share of the TBT target a round is planned to: the p99's room
+RESIDUAL_WEIGHT = 0.05  # moving-average weight of one measured micro-batch
+RESIDUAL_RANGE = (0.25, 8.0)  # a residual outside is a measurement gone wrong: clamped
+
+
+def knee(cost: CostModel, tile: int, slack: float = KNEE_SLACK,
+         top: int = KNEE_MAX_TOKENS) -> tuple[int, float]:
+    """(tokens, seconds) of the smallest prefill-only micro-batch, in whole tiles, whose
+    time per token is within `slack` of the best up to `top` tokens."""
+    sizes = list(range(tile, top + 1, tile))
+    per_token = [cost.microbatch_time([(0, n)], []) / n for n in sizes]
+    best = min(per_token)
+    n = next(s for s, t in zip(sizes, per_token) if t <= (1 + slack) * best)
+    return n, cost.microbatch_time([(0, n)], [])
+
+
+def decode_floor(cost: CostModel, depth: int) -> float:
+    """The shortest time between tokens any load can have: one decode alone, `depth`
+    micro-batches to a round."""
+    return depth * cost.microbatch_time([], [1])
+
+
+class TimeBudget:
+    """T for the next micro-batch, and the cost model's prediction corrected by what the
+    pipeline measured."""
+
+    def __init__(self, cost: CostModel, depth: int, tile: int, tbt_slo_s: float | None = None,
+                 ttft_slo_s: float | None = None, target_s: float | None = None):
+        self.cost, self.depth = cost, depth
+        self.tbt_slo_s, self.ttft_slo_s = tbt_slo_s, ttft_slo_s
+        self.knee_tokens, self.knee_s = knee(cost, tile)
+        if tbt_slo_s is not None:
+            floor = decode_floor(cost, depth)
+            if tbt_slo_s <= floor:
+                raise ConfigError(
+                    f"planner.tbt_slo_ms: {tbt_slo_s * 1e3:g} ms is below one decode through "
+                    f"the pipeline ({depth} micro-batches in flight x "
+                    f"{floor / depth * 1e3:.3g} ms = {floor * 1e3:.3g} ms, the floor); raise it "
+                    "above the floor, or lower pp / the in-flight depth")
+        if target_s is not None:  # planner.target_ms: T set by hand
+            self.base_s = target_s
+        elif tbt_slo_s is not None:
+            self.base_s = MARGIN * tbt_slo_s / depth
+        else:
+            self.base_s = float("inf")
+        self.residual = 1.0  # measured / predicted, a moving average
+
+    @property
+    def period_s(self) -> float:
+        """T in the cost model's seconds: the budget less what the pipeline measured slower."""
+        return self.base_s / self.residual
+
+    def time(self, prefills: Sequence[tuple[int, int]], kv: Sequence[int]) -> float:
+        """The cost model's seconds for a micro-batch (compare with `period_s`)."""
+        return self.cost.microbatch_time(prefills, kv)
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        """One micro-batch came back: fold measured / predicted into the residual."""
+        if predicted_s <= 0 or measured_s <= 0:
+            return
+        lo, hi = RESIDUAL_RANGE
+        ratio = min(hi, max(lo, measured_s / predicted_s))
+        self.residual += RESIDUAL_WEIGHT * (ratio - self.residual)
+
+    def largest(self, fits, hi: int) -> int:
+        """The largest n in [0, hi] with fits(n) (fits grows false with n); binary search."""
+        if hi <= 0 or fits(hi):
+            return max(hi, 0)
+        lo, hi = 0, hi - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+
+class PipelineClock:
+    """Predicted stage times of the micro-batches in flight, replayed as the pipeline runs
+    them: each stage takes micro-batches in order, after the previous stage sent them."""
+
+    def __init__(self, cost: CostModel, pp: int):
+        self.cost, self.pp = cost, pp
+        self.stage_times = getattr(cost, "stage_times", None)
+        self.send = getattr(cost, "send_time", None)
+        self.free = [0.0] * pp  # when each stage ends its last micro-batch (predicted)
+        self.done: dict[int, float] = {}  # mb_id in flight -> predicted completion
+
+    def times(self, prefills: Sequence[tuple[int, int]], kv: Sequence[int],
+              scale: float) -> list[float]:
+        if self.stage_times is None:
+            return [scale * self.cost.microbatch_time(prefills, kv)] * self.pp
+        return [scale * t for t in self.stage_times(prefills, kv)]
+
+    def completion(self, now: float, times: list[float], tokens: int) -> list[float]:
+        """Each stage's predicted end for a micro-batch submitted now (committing nothing)."""
+        ends, prev = [], now
+        for s, t in enumerate(times):
+            ready = prev + (self.send(tokens, s) if s and self.send else 0.0)
+            start = ready if ready > self.free[s] else self.free[s]
+            prev = start + t
+            ends.append(prev)
+        return ends
+
+    def commit(self, mb_id: int, ends: list[float]) -> None:
+        self.free = ends
+        self.done[mb_id] = ends[-1]
+
+    def returned(self, mb_id: int, now: float) -> None:
+        """A micro-batch came back at `now`: the prediction of everything behind it shifts
+        by its error (the pipeline ran late or early by as much)."""
+        predicted = self.done.pop(mb_id, None)
+        if predicted is None:
+            return
+        shift = now - predicted
+        self.free = [max(now, f + shift) for f in self.free]
+        for k in self.done:
+            self.done[k] += shift
