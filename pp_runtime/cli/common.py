@@ -21,7 +21,9 @@ RUN_DEFAULT_CONFIG = "cpu/gpt2_pp2"  # `run` and `serve` without --config / --ch
 # named flags -> the config fields they set (a command lists the ones it has: `run`'s
 # --requests and --seed are its prompts' count and sampling seed, not workload fields)
 FLAG_FIELDS = {"planner": "planner", "requests": "workload.num_requests",
-               "seed": "workload.seed", "qps": "workload.qps"}
+               "seed": "workload.seed", "qps": "workload.qps",
+               "tbt_slo_ms": "planner.tbt_slo_ms", "ttft_slo_ms": "planner.ttft_slo_ms"}
+SLO_FLAGS = ("tbt_slo_ms", "ttft_slo_ms")  # every command with add_slo_args: always read
 
 
 # ---- number flags: checked as argparse parses them -----------------------------------------
@@ -88,7 +90,7 @@ def config_from_args(args, base: Config | str | None = None, *, flags: tuple[str
     were given (FLAG_FIELDS; --trace FILE sets the workload to that trace) and `planner`."""
     overrides = dict(defaults or {})
     overrides.update(parse_overrides(getattr(args, "set", None) or []))
-    for flag in flags:
+    for flag in (*flags, *SLO_FLAGS):
         value = getattr(args, flag, None)
         if value is not None and flag == "trace":
             overrides.update({"workload.kind": "trace", "workload.trace": value})
@@ -137,6 +139,16 @@ def add_config_args(sp, default: str = "built-in") -> None:
     sp.add_argument("--config", help=f"YAML config (path or shipped name); default: {default}")
     sp.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a config field, e.g. --set chunk_size=64 (repeatable)")
+
+
+def add_slo_args(sp) -> None:
+    """--tbt-slo-ms, --ttft-slo-ms: the latency targets `uniform` sizes micro-batches by."""
+    sp.add_argument("--tbt-slo-ms", type=positive_float, default=None,
+                    help="p99 time-between-tokens target, ms (planner.tbt_slo_ms): uniform fills "
+                         "each micro-batch so a decode's round stays within it; default none: "
+                         "the throughput knee")
+    sp.add_argument("--ttft-slo-ms", type=positive_float, default=None,
+                    help="p99 time-to-first-token target, ms (planner.ttft_slo_ms)")
 
 
 def add_workload_args(sp) -> None:

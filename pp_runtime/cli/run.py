@@ -8,7 +8,7 @@ import random
 import time
 from pathlib import Path
 
-from pp_runtime.cli.common import (RUN_DEFAULT_CONFIG, add_config_args, config_from_args,
+from pp_runtime.cli.common import (RUN_DEFAULT_CONFIG, add_config_args, add_slo_args, config_from_args,
                                    non_negative_float, non_negative_int, positive_int, report_kept,
                                    run_base_config, stopped_by)
 from pp_runtime.cli.simulate import run_to, workload_report
@@ -137,6 +137,7 @@ def add_parser(sub) -> None:
                                      "127.0.0.1 (gloo on a CPU, NCCL with a GPU per stage), "
                                      "GPT-2-small shapes with random weights.")
     add_config_args(run, f"{RUN_DEFAULT_CONFIG} (2 Ray stage actors); 'default' = all in this process")
+    add_slo_args(run)
     run.add_argument("--checkpoint",
                      help="Hugging Face-format model directory: its shapes and weights, with "
                           "--config's other sections (alone: pp=1 in this process)")

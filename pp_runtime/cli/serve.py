@@ -23,7 +23,7 @@ MAX_BODY_MB = 4.0  # the same default as serve/app.py's: a 1024-token prompt is 
 
 
 def add_parser(sub) -> None:
-    from pp_runtime.cli.common import (RUN_DEFAULT_CONFIG, add_config_args, non_negative_int,
+    from pp_runtime.cli.common import (RUN_DEFAULT_CONFIG, add_config_args, add_slo_args, non_negative_int,
                                        number)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the pipeline",
@@ -35,6 +35,7 @@ def add_parser(sub) -> None:
                                      "Listens on 127.0.0.1 unless --host says otherwise. "
                                      "docs/serving.md")
     add_config_args(srv, f"{RUN_DEFAULT_CONFIG} (2 Ray stage actors); 'default' = all in this process")
+    add_slo_args(srv)
     srv.add_argument("--checkpoint", help="Hugging Face-format model directory; its tokenizer "
                                           "is used when present (pp=1 unless --set pp=N)")
     srv.add_argument("--host", default="127.0.0.1",

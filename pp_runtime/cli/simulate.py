@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pp_runtime.cli.common import (add_config_args, add_workload_args, config_from_args,
+from pp_runtime.cli.common import (add_config_args, add_slo_args, add_workload_args, config_from_args,
                                    partial_report, printable, report_kept,
                                    with_checkpoint_model)
 from pp_runtime.config import Config, ConfigError
@@ -16,6 +16,7 @@ def add_parsers(sub) -> None:
     sim = sub.add_parser("simulate", help="run a workload on the pipeline simulator")
     add_config_args(sim)
     sim.add_argument("--planner", help="planner.planner (sarathi, uniform, orca-best, ...)")
+    add_slo_args(sim)
     add_workload_args(sim)
     sim.set_defaults(func=cmd_simulate)
 
@@ -28,6 +29,7 @@ def add_parsers(sub) -> None:
     cmp.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                      help="override a field of every config (repeatable)")
     add_workload_args(cmp)
+    add_slo_args(cmp)
     cmp.set_defaults(func=cmd_compare)
 
     rep = sub.add_parser("report", help="re-print and re-plot a finished run")

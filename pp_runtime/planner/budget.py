@@ -37,7 +37,8 @@ KNEE_SLACK = 0.05  # the knee: time per token within 5 % of the best
 KNEE_MAX_TOKENS = 16384  # largest micro-batch the knee search prices
 MARGIN = 0.95  # share of the TBT target a round is planned to: the p99's room
 RESIDUAL_WEIGHT = 0.05  # moving-average weight of one measured micro-batch
-RESIDUAL_RANGE = (0.25, 8.0)  # a residual outside is a measurement gone wrong: clamped
+RESIDUAL_RANGE = (1e-3, 1e3)  # a ratio outside is a measurement gone wrong: clamped (a CPU
+#                              priced on the shipped A100 tables is ~10^2 slower: kept)
 
 
 def knee(cost: CostModel, tile: int, slack: float = KNEE_SLACK,
@@ -81,6 +82,7 @@ class TimeBudget:
         else:
             self.base_s = float("inf")
         self.residual = 1.0  # measured / predicted, a moving average
+        self.observed = 0  # micro-batches folded in
 
     @property
     def period_s(self) -> float:
@@ -97,7 +99,9 @@ class TimeBudget:
             return
         lo, hi = RESIDUAL_RANGE
         ratio = min(hi, max(lo, measured_s / predicted_s))
-        self.residual += RESIDUAL_WEIGHT * (ratio - self.residual)
+        weight = max(RESIDUAL_WEIGHT, 1 / (self.observed + 1))  # the first ones: their mean
+        self.residual += weight * (ratio - self.residual)
+        self.observed += 1
 
     def largest(self, fits, hi: int) -> int:
         """The largest n in [0, hi] with fits(n) (fits grows false with n); binary search."""

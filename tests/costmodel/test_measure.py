@@ -86,7 +86,7 @@ def test_one_row_per_grid_point(profiles, name):
 
 
 def test_grid_is_capped_by_sequence_length_and_batch_size():
-    grid, L, B = profile_grid(GPT, quick=False), GPT.seq_len, GPT.planner.max_batch_size
+    grid, L, B = profile_grid(GPT, quick=False), GPT.seq_len, GPT.batch_rows
     assert max(grid.num_tokens) == L + B and 1 in grid.num_tokens
     assert all(c + k <= L for c, k in grid.prefills) and (L, 0) in grid.prefills
     assert {k for _, k in grid.prefills} >= {0, 128}  # chunks after cached tokens, too

@@ -202,7 +202,7 @@ def test_ten_thousand_simulated_requests_with_preemptions_each_end_once_whole():
     from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import build_report
 
-    cfg = load_config("paper/gpt3_tp8_pp8", planner="uniform", paged=True, kv_slots=4,
+    cfg = load_config("paper/gpt3_tp8_pp8", planner="sarathi", paged=True, kv_slots=4,
                       max_batch_size=16, max_seq_len=256, **{
                           "workload.num_requests": 10_000, "workload.pd_ratio": 1,
                           "workload.min_len": 16, "workload.max_len": 256})

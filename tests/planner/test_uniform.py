@@ -1,199 +1,135 @@
-"""`uniform` sizes micro-batches by predicted time: shrinks heavy ones, grows and packs light ones."""
-import statistics
-
+"""`uniform` fills micro-batches to a budget from the latency target: hand-computed budgets on
+a toy cost model, rows bounded by pages and time, the TBT target held on the simulator."""
 import pytest
 
 from helpers import add, drive, planner
 
-
-def test_the_planner_prices_with_the_simulators_cost_model():
-    """One cost model: without one given, uniform builds the simulator's (costmodel/), so
-    the real runtime and the simulator plan with the same prices."""
-    from pp_runtime.costmodel import StageCostModel, build_cost_model
-    p = planner("uniform", pp=2, target_ms=5.0)
-    assert isinstance(p.cost, StageCostModel)
-    ref = build_cost_model(p.cfg)
-    assert p.cost.microbatch_time([(0, 100)], [50] * 3) == ref.microbatch_time([(0, 100)], [50] * 3)
+from pp_runtime.config import Config, ConfigError, load_config
+from pp_runtime.core.batch import SampledTokens
+from pp_runtime.planner.budget import TimeBudget, decode_floor, knee
+from pp_runtime.planner.uniform import UniformPlanner
 
 
-def predicted(cost, mb):
-    return cost.microbatch_time([(c.start, c.num_tokens) for c in mb.seqs if not c.is_decode],
-                                [c.kv_len for c in mb.seqs if c.is_decode])
-
-
-def run(name, **extra):
-    """GPT-2-small shapes in fp16, 4 stages: decodes with long KV make SARATHI's equal-token
-    micro-batches unequal in time (PB3). Packing and the time cap alone (spread off: its
-    own tests are below)."""
-    extra.setdefault("spread", 0)
-    p = planner(name, dtype="float16", pp=4, max_batch_size=8, chunk_size=256, **extra)
-    for rid in range(200):
-        add(p, rid, 200 + 37 * (rid % 19), 20 + 13 * (rid % 7))
-    log = drive(p, 4)
-    chunked = [mb for mb in log if any(not c.is_decode and c.sampling is None for c in mb.seqs)]
-    return p, log, chunked
-
-
-def test_uniform_packs_tail_chunks_into_full_microbatches():
-    """Default uniform: every micro-batch with prefill work carries C tokens unless prompts
-    ran out (a prompt's last chunk is followed by the next prompt's first), so the run
-    needs fewer micro-batches than SARATHI's and no more predicted work."""
-    from pp_runtime.costmodel import build_cost_model
-    uni, uni_log, _ = run("uniform")
-    _, sar_log, _ = run("sarathi")
-    packed = [mb for mb in uni_log if sum(not c.is_decode for c in mb.seqs) > 1]
-    assert packed and all(mb.num_tokens == 256 for mb in packed[:-1])
-    assert len(uni_log) < len(sar_log)
-    cost = build_cost_model(uni.cfg)
-    assert sum(predicted(cost, mb) for mb in uni_log) < sum(predicted(cost, mb) for mb in sar_log)
-
-
-def test_the_time_cap_evens_microbatch_time_where_sarathi_does_not():
-    uni, uni_log, uni_chunked = run("uniform", target_ms=0.095)
-    _, sar_log, sar_chunked = run("sarathi")
-    cost, target = uni.cost, uni.target_s
-    uni_t = [predicted(cost, mb) for mb in uni_chunked]
-    sar_t = [predicted(cost, mb) for mb in sar_chunked]
-    assert max(uni_t) <= target < max(sar_t)  # SARATHI's heaviest batches exceed the target
-    assert any(mb.num_tokens < 256 for mb in uni_chunked)  # heavy ones shrank to fit
-    packed = [mb for mb in uni_log if sum(not c.is_decode for c in mb.seqs) > 1]
-    assert packed and all(  # packing: a prompt's last chunk, then the next prompt's first
-        mb.seqs[-1].start == 0 and mb.seqs[-2].sampling is not None for mb in packed)
-    with_prefill = lambda log: [predicted(cost, mb) for mb in log  # noqa: E731
-                                if any(not c.is_decode for c in mb.seqs)]
-    cv = lambda ts: statistics.pstdev(ts) / statistics.mean(ts)  # noqa: E731
-    assert cv(with_prefill(uni_log)) < 0.75 * cv(with_prefill(sar_log))
-    # the price (docs/planner.md): cut chunks still pay for whole matmul tiles
-    total = lambda log: sum(predicted(cost, mb) for mb in log)  # noqa: E731
-    assert total(uni_log) <= total(sar_log) * 1.05
-
-
-def test_packing_off_leaves_a_prompts_tail_chunk_alone():
-    p = planner("uniform", chunk_size=64, max_batch_size=4, tile_size=64, pack_prefills=False,
-                spread=0)
-    add(p, 0, 70, 1)
-    add(p, 1, 70, 1)
-    log = drive(p, 1)
-    assert all(sum(not c.is_decode for c in mb.seqs) == 1 for mb in log)
-    p = planner("uniform", chunk_size=64, max_batch_size=4, tile_size=64, spread=0)
-    add(p, 0, 70, 1)
-    add(p, 1, 70, 1)
-    assert any(sum(not c.is_decode for c in mb.seqs) == 2 for mb in drive(p, 1))
-
-
-def test_uniform_with_an_explicit_target():
-    p = planner("uniform", target_ms=1e-6, chunk_size=64, max_batch_size=4, tile_size=64)
-    add(p, 0, 200, 2)
-    log = drive(p, 1)
-    assert log[0].seqs[0].num_tokens == 64 // 8  # nothing fits: the floor, C / 8
-
-
-# ---- spread: uniform in predicted time when prompt tokens are scarce --------------------
 class Toy:
-    """A cost model to compute schedules by hand: a prefill token costs 1, a decode 1/10 of
-    its KV length (long KV is slow: the paper's PB3)."""
+    """Seconds by hand: a micro-batch costs 1 ms to read the weights, 0.01 ms per token
+    (prefill tokens and decodes), and 0.001 ms per KV position a decode attends to."""
     def microbatch_time(self, prefills, decode_kv_lens):
-        return sum(n for _, n in prefills) + sum(decode_kv_lens) / 10
+        tokens = sum(n for _, n in prefills) + len(decode_kv_lens)
+        return 1e-3 + 1e-5 * tokens + 1e-6 * sum(decode_kv_lens)
 
 
-def toy_planner(spread, **extra):
-    """pp 2 (3 micro-batches in flight), C 64 without tile alignment, B 8."""
-    from pp_runtime.config import Config
-    from pp_runtime.planner.uniform import UniformPlanner
-    cfg = Config().with_overrides(planner="uniform", pp=2, chunk_size=64, max_batch_size=8,
-                                  tile_align=False, paged=False, spread=spread, **extra)
+def toy(pp=2, **extra):
+    """A uniform planner on the toy cost model, pp 2 (3 in flight unless in_flight is set)."""
+    cfg = Config().with_overrides(planner="uniform", pp=pp, paged=True, **extra)
     return UniformPlanner(cfg, Toy())
 
 
-def decoding(p, prompts):
-    """Requests 0.. with these prompts, prefilled and each with its first token: their
-    decodes attend to prompt + 1 tokens."""
-    from pp_runtime.core.batch import SampledTokens
-    for rid, n in enumerate(prompts):
-        add(p, rid, n, 100)
-    sent = []  # every prompt's chunks in flight at once (chunk pipelining), then the results
-    while (mb := p.schedule(0.0)) is not None:
-        sent.append(mb)
-    for mb in sent:
-        p.on_result(mb, SampledTokens(mb.mb_id, {s.request_id: 1 for s in mb.seqs if s.sampling}), 0.0)
-    assert all(r.num_computed == r.prefill_len for r in p.requests.values())
-    return p
+def test_the_knee_is_where_time_per_token_stops_falling():
+    """Per token: 1/n ms + 0.01 ms; the best up to 16384 tokens is 0.0100610 ms; within 5 %
+    (0.0105641 ms) needs 1/n <= 0.0005641, n >= 1773: the next whole tile of 128 is 1792."""
+    n, t = knee(Toy(), 128)
+    assert n == 1792
+    assert t == pytest.approx(1e-3 + 1792e-5)
 
 
-def shape(mb):
-    return [(s.request_id, "d" if s.is_decode else f"{s.start}:{s.start + s.num_tokens}",
-             s.kv_len) for s in mb.seqs]
+def test_the_period_comes_from_the_tbt_target():
+    """T = 0.95 x S / depth: S = 300 ms over 3 in flight -> 95 ms; no target: unbounded."""
+    b = TimeBudget(Toy(), depth=3, tile=128, tbt_slo_s=0.3)
+    assert b.base_s == pytest.approx(0.095)
+    assert TimeBudget(Toy(), depth=3, tile=128).period_s == float("inf")
+    assert TimeBudget(Toy(), 3, 128, 0.3, target_s=0.02).base_s == 0.02  # target_ms by hand
 
 
-def test_scarce_prefill_is_sized_so_every_microbatch_takes_the_same_time():
-    """Four requests decode, two with short KV (11) and two with long (51); a 30-token
-    prompt arrives. R = 4 decoding -> ceil(4 / pp) = 2 decodes a micro-batch; 30 prompt
-    tokens < 3 micro-batches x C: scarce, an even share over spread (1) round of 3
-    micro-batches is 10 tokens, at mean KV (11 + 11 + 51 + 51) // 4 + 1 = 32:
-    T = 10 + 2 x 32 / 10 = 16.4. Micro-batch 1: decodes 0, 1 (2.2) + 14 prompt tokens
-    (16.2 <= 16.4, 15 would be 17.2). Micro-batch 2: decodes 2, 3 (10.2); 16 tokens left,
-    T = ceil(16 / 3) + 6.4 = 12.4 leaves 2 < C / 8 = 8 tokens: no chunk, the long-KV
-    decodes alone. By hand; without spread all four decodes and the whole prompt go into
-    micro-batch 1 (time 42.4) and micro-batch 2 is empty."""
-    p = decoding(toy_planner(spread=0), [10, 10, 50, 50])
-    p.spread = 1  # switched on with the decodes in place (the same rule from the start below)
-    add(p, 4, 30, 10, arrival=1.0)
-    first, second = p.schedule(1.0), p.schedule(1.0)
-    assert shape(first) == [(0, "d", 11), (1, "d", 11), (4, "0:14", 14)]
-    assert shape(second) == [(2, "d", 51), (3, "d", 51)]
-    q = decoding(toy_planner(spread=0), [10, 10, 50, 50])
-    add(q, 4, 30, 10, arrival=1.0)
-    assert shape(q.schedule(1.0)) == [(0, "d", 11), (1, "d", 11), (2, "d", 51), (3, "d", 51),
-                                      (4, "0:30", 30)]
-    assert q.schedule(1.0) is None
+def test_a_target_below_one_decode_through_the_pipeline_is_refused_naming_the_floor():
+    """One decode alone: 1 ms + 0.01 ms + 0.001 ms = 1.011 ms per micro-batch, 3 in flight:
+    the floor is 3.033 ms."""
+    assert decode_floor(Toy(), 3) == pytest.approx(3.033e-3)
+    with pytest.raises(ConfigError, match=r"below one decode through the pipeline .*3\.03 ms"):
+        TimeBudget(Toy(), 3, 128, tbt_slo_s=0.003)
+    with pytest.raises(ConfigError, match="planner.tbt_slo_ms: must be > 0"):
+        Config().with_overrides(tbt_slo_ms=0)
+    with pytest.raises(ConfigError, match="planner.ttft_slo_ms: must be > 0"):
+        Config().with_overrides(ttft_slo_ms=-5)
 
 
-def test_plentiful_prefill_keeps_full_chunks():
-    """Prompt tokens enough to fill the next round (>= 3 micro-batches x C): full chunks,
-    packed, as SARATHI's budget (the even time applies only when they are scarce)."""
-    p = decoding(toy_planner(spread=0), [10, 10, 50, 50])
-    p.spread = 1
-    add(p, 4, 300, 10, arrival=1.0)
-    mb = p.schedule(1.0)
-    assert shape(mb) == [(0, "d", 11), (1, "d", 11), (4, "0:64", 64)]
+def test_the_residual_shrinks_the_period_when_the_pipeline_is_slower_than_priced():
+    b = TimeBudget(Toy(), 3, 128, tbt_slo_s=0.3)
+    for _ in range(200):
+        b.observe(predicted_s=0.01, measured_s=0.02)  # twice as slow as priced
+    assert b.residual == pytest.approx(2.0, rel=1e-3)
+    assert b.period_s == pytest.approx(0.095 / 2, rel=1e-3)
 
 
-def test_decodes_spread_over_pp_microbatches():
-    """Eight requests decoding on pp = 2, no prompt: ceil(8 / 2) = 4 decodes a micro-batch,
-    the rest wait for the next (SARATHI would put all eight, up to B, in the first)."""
-    p = decoding(toy_planner(spread=0), [4] * 8)
-    p.spread = 1
-    a, b, c = p.schedule(0.0), p.schedule(0.0), p.schedule(0.0)
-    assert [s.request_id for s in a.seqs] == [0, 1, 2, 3]
-    assert [s.request_id for s in b.seqs] == [4, 5, 6, 7]
-    assert c is None
+def test_plentiful_prefill_fills_the_knee():
+    """No target, no decodes, prompts of 4 x K tokens waiting: every micro-batch takes K."""
+    p = toy()
+    for rid in range(2):
+        add(p, rid, 4 * 1792, 4)
+    mb = p.schedule(0.0)
+    assert [s.num_tokens for s in mb.seqs] == [1792]
 
 
-def test_spread_evens_microbatch_time_on_the_simulated_pipeline():
-    """GPT-3 TP8 x PP8 at P:D 1 (decode-heavy; prompt tokens are scarce once the first
-    prompts are in): the predicted times of the micro-batches of the busy part of the run
-    vary less with spread than without (coefficient of variation 0.068 against 0.174)."""
-    from pp_runtime.config import load_config
-    times = {}
-    for spread in (0, 4):
-        cfg = load_config("paper/gpt3_tp8_pp8", planner="uniform", spread=spread, **{"workload.num_requests": 300,
-                          "workload.pd_ratio": 1, "workload.min_len": 256, "workload.max_len": 1024})
-        p, cost = make_planner_for(cfg)
-        for rid, spec in enumerate(specs_of(cfg)):
-            add(p, rid, spec.prompt_len, spec.output_len)
-        log = drive(p, cfg.in_flight)
-        times[spread] = [predicted(cost, mb) for mb in log[len(log) // 10: len(log) // 2]]
-    cv = lambda ts: statistics.pstdev(ts) / statistics.mean(ts)  # noqa: E731
-    assert cv(times[4]) < 0.6 * cv(times[0])
+def test_scarce_prefill_is_shared_evenly_over_the_round():
+    """Prompt tokens fewer than the round can take (900 < 3 x 1792): a micro-batch gets its
+    even share of what is left over the round (3 in flight), never under K / 8 = 224:
+    ceil(900 / 3) = 300, then ceil(600 / 3) = 200 -> 224, then 224 of the 376 left;
+    not one full micro-batch and two empty ones."""
+    p = toy()
+    add(p, 0, 900, 4)
+    sizes = [p.schedule(0.0).seqs[0].num_tokens for _ in range(3)]
+    assert sizes == [300, 224, 224]
 
 
-def make_planner_for(cfg):
-    from pp_runtime.costmodel import build_cost_model
-    from pp_runtime.planner import make_planner
-    cost = build_cost_model(cfg)
-    return make_planner(cfg, cost), cost
+def test_the_tbt_target_cuts_the_chunk_by_the_round():
+    """S = 30 ms, pp 2, 2 in flight: the micro-batch must come back by 0.95 x 30 = 28.5 ms
+    after its decode's last token (at 0). It crosses 2 stages of the toy's time each:
+    2 x (1 + 0.01 (n + 1) + 0.001 x 101) ms <= 28.5 ms -> n + 1 <= 1314.9: n = 1313."""
+    p = toy(in_flight=2, tbt_slo_ms=30.0)
+    add(p, 0, 100, 50)
+    first = p.schedule(0.0)  # the prompt, alone
+    p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
+    add(p, 1, 5000, 4)
+    mb = p.schedule(0.0)
+    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 1313, False)]
 
 
-def specs_of(cfg):
-    from pp_runtime.core.workload import generate
-    return generate(cfg.workload)
+def test_rows_are_bounded_by_pages_not_by_a_hand_count():
+    """16-token pages, a pool of 64 (4 contexts of 256): prompts of 100 tokens and 20
+    output (8 pages each, with 30 % of the 1-page growth kept free) -> 8 run at once; no B."""
+    p = planner("uniform", paged=True, kv_slots=4, max_seq_len=256, watermark=0.0)
+    assert p.max_batch > 1000  # no row cap
+    for rid in range(12):
+        add(p, rid, 100, 20)
+    p.admit(0.0)
+    assert len(p.running) == 8
+
+
+def test_uniform_finishes_every_request_with_caps_and_without():
+    """Every prompt token once, every request to its length: the planner's own contract."""
+    for extra in ({}, {"chunk_size": 64, "max_batch_size": 4}, {"tbt_slo_ms": 1e6}):
+        p = planner("uniform", pp=2, paged=True, **extra)
+        for rid in range(30):
+            add(p, rid, 50 + 17 * (rid % 5), 3 + rid % 4)
+        drive(p, 3)
+        assert all(r.finish_reason == "length" and len(r.output_token_ids) == 3 + r.request_id % 4
+                   for r in p.requests.values())
+        if extra.get("chunk_size"):
+            assert p.top == 64
+
+
+@pytest.mark.parametrize("slo_ms", [100.0, 300.0])
+def test_the_tbt_target_holds_on_the_simulated_pipeline(slo_ms):
+    """GPT-3 TP8 x PP8 under Poisson load: the p99 time between tokens stays within the target
+    (the same run without one goes past 100 ms)."""
+    from pp_runtime.engine.simulate import simulate
+    from pp_runtime.telemetry.report import build_report
+    over = {"workload.num_requests": 150, "workload.qps": 2.0, "workload.pd_ratio": 1,
+            "cache.kv_slots": 216, "planner": "uniform", "paged": True, "chunk_size": None,
+            "max_batch_size": None}  # the paper config's C, B and slots are sarathi's
+    cfg = load_config("paper/gpt3_tp8_pp8", tbt_slo_ms=slo_ms, **over)
+    s = build_report(simulate(cfg, progress=False))["summary"]
+    assert s["tbt_s"]["p99"] <= slo_ms / 1e3
+    assert s["finish_reasons"] == {"length": 150}
+    if slo_ms == 100.0:
+        free = build_report(simulate(load_config("paper/gpt3_tp8_pp8", **over), progress=False))
+        assert free["summary"]["tbt_s"]["p99"] > 0.100

@@ -1,0 +1,217 @@
+"""Goodput: capacity under latency targets, `uniform` at its defaults beside every anchor at
+the best of its own knobs for that target. Simulated: GPT-3 175B TP8 x PP8 on A100s and
+LLaMA-2-70B TP8 x PP8 on H100s, at P:D 1, 3 and 10.
+
+For each setting:
+  - u, the unloaded time between tokens (one decode through the pipeline, sends included),
+    and the TTFT target: 5 x the unloaded time to first token of the mean prompt;
+  - TBT targets 2u, 3u, 5u; for each, the capacity (the highest Poisson rate whose p99 TBT
+    and p99 TTFT meet their targets, on a geometric grid of rates) of
+      uniform        its defaults, given the two targets (planner.tbt_slo_ms, ttft_slo_ms);
+      sarathi-serve  chunk_size in SERVE_CHUNKS, max_num_seqs what the pages hold;
+      gllm           maxp in GLLM_MAXP, its other knobs at gLLM's defaults;
+    an anchor's best is its best knob for that target (each knob's probes are cached by
+    rate, so the targets share them);
+  - no target: every request at once, makespan of uniform's defaults against each anchor's
+    best knob;
+  - a Pareto figure: throughput against p99 TBT of every probe that met the TTFT target,
+    each planner's frontier (its best over knobs).
+Every planner gets the same KV bytes (the config's kv_slots contexts, as 16-token pages).
+
+    python benchmarks/goodput.py [--requests 800] [--pd 1,3,10] [--models gpt3,llama]
+                                 [--out runs/goodput]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pp_runtime.bench.capacity import meets
+from pp_runtime.config import load_config
+from pp_runtime.costmodel import build_cost_model
+from pp_runtime.engine.simulate import simulate
+from pp_runtime.telemetry.report import build_report
+
+MODELS = {"gpt3": "paper/gpt3_tp8_pp8", "llama": "paper/llama2_70b_tp8_pp8_h100"}
+SLO_MULTIPLES = (2, 3, 5)
+SERVE_CHUNKS = (128, 256, 512, 1024)
+GLLM_MAXP = (2048, 8192)
+GRID_STEP = 1.1  # rates probed: RATE0 x GRID_STEP^k
+RATE0 = 0.05
+ROWS_B = 4096  # B for the anchors: never binds (they cap rows by their own knobs)
+
+
+class Setting:
+    def __init__(self, config: str, requests: int, pd: float, bar: tqdm):
+        base = load_config(config)
+        self.config, self.bar, self.pp = config, bar, base.parallel.pp
+        self.base = {"workload.num_requests": requests, "workload.pd_ratio": pd,
+                     "cache.kv_slots": base.num_slots, "cache.paged": True}
+        cfg = load_config(config, **self.base)
+        cost = build_cost_model(cfg)
+        w = cfg.workload
+        kv = (w.min_len + w.max_len) // 2
+        self.tbt_unloaded = (sum(cost.stage_times([], [kv]))
+                             + sum(cost.send_time(1, s) for s in range(1, self.pp)))
+        prompt = int(kv * pd / (pd + 1))
+        self.ttft_slo = 5 * (sum(cost.stage_times([(0, prompt)], []))
+                             + sum(cost.send_time(prompt, s) for s in range(1, self.pp)))
+        self.runs: dict[str, dict] = {}
+
+    def run(self, planner: str, knobs: dict, qps: float | None) -> dict:
+        key = json.dumps([planner, knobs, qps], sort_keys=True)
+        if key not in self.runs:
+            self.bar.set_postfix_str(f"{self.config.split('/')[-1]} {planner} {knobs} {qps}"[:70])
+            over = {**self.base, **knobs, "workload.qps": qps}
+            if planner != "uniform":
+                over.update({"in_flight": self.pp, "max_batch_size": ROWS_B})
+            s = build_report(simulate(load_config(self.config, planner=planner, **over),
+                                      progress=False))["summary"]
+            self.runs[key] = {"qps": qps, "makespan_s": s["makespan_s"],
+                              "throughput_tok_s": s["throughput_tok_s"],
+                              "bubble": s["bubble_fraction"], "tbt_p99": s["tbt_s"]["p99"],
+                              "tbt_p50": s["tbt_s"]["median"], "ttft_p99": s["ttft_s"]["p99"],
+                              "failed": s["num_requests"] - s["finish_reasons"].get("length", 0)}
+            self.bar.update()
+        return self.runs[key]
+
+    def ok(self, r: dict, tbt_slo: float) -> bool:
+        return meets(r["tbt_p99"], r["ttft_p99"], tbt_slo, self.ttft_slo, r["failed"])
+
+    def capacity(self, planner: str, knobs: dict, tbt_slo: float) -> tuple[float, dict | None]:
+        """The highest grid rate that meets both targets: bracket in steps of 8 grid points
+        (x2.1), then bisect (a rate that fails is taken to fail at every higher one)."""
+        rate = lambda k: round(RATE0 * GRID_STEP ** k, 6)  # noqa: E731
+        ok = lambda k: self.ok(self.run(planner, knobs, rate(k)), tbt_slo)  # noqa: E731
+        lo = hi = None
+        k = 30
+        while lo is None or hi is None:
+            if ok(k):
+                lo, k = k, k + 8
+            else:
+                hi, k = k, k - 8
+            if k < 0 and lo is None:
+                return 0.0, None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return rate(lo), self.run(planner, knobs, rate(lo))
+
+
+def anchors() -> list[tuple[str, str, dict]]:
+    rows = [("sarathi-serve", f"C {c}", {"chunk_size": c}) for c in SERVE_CHUNKS]
+    rows += [("gllm", f"maxp {m}", {"gllm_maxp": m}) for m in GLLM_MAXP]
+    return rows
+
+
+def one_setting(st: Setting, label: str) -> dict:
+    out = {"setting": label, "tbt_unloaded_s": st.tbt_unloaded, "ttft_slo_s": st.ttft_slo,
+           "cells": [], "offline": {}}
+    for mult in SLO_MULTIPLES:
+        slo = mult * st.tbt_unloaded
+        uni_knobs = {"tbt_slo_ms": slo * 1e3, "ttft_slo_ms": st.ttft_slo * 1e3}
+        cap, run = st.capacity("uniform", uni_knobs, slo)
+        cell = {"slo_x": mult, "tbt_slo_s": slo, "uniform": {"qps": cap, "run": run}}
+        for planner in ("sarathi-serve", "gllm"):
+            best = max(((st.capacity(planner, knobs, slo), name) for p, name, knobs in anchors()
+                        if p == planner), key=lambda x: x[0][0])
+            cell[planner] = {"qps": best[0][0], "knobs": best[1], "run": best[0][1]}
+        out["cells"].append(cell)
+    out["offline"]["uniform"] = st.run("uniform", {}, None)
+    for planner, name, knobs in anchors():
+        r = st.run(planner, knobs, None)
+        cur = out["offline"].get(planner)
+        if cur is None or r["makespan_s"] < cur["makespan_s"]:
+            out["offline"][planner] = {**r, "knobs": name}
+    return out
+
+
+def print_setting(res: dict) -> None:
+    print(f"\n### {res['setting']}: unloaded TBT {res['tbt_unloaded_s'] * 1e3:.1f} ms, "
+          f"TTFT target (p99) {res['ttft_slo_s']:.2f} s\n")
+    print("| TBT SLO | uniform (defaults) | sarathi-serve best | gllm best | uniform ÷ best anchor "
+          "| uniform TBT p99 | uniform bubble |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for c in res["cells"]:
+        u, ss, g = c["uniform"], c["sarathi-serve"], c["gllm"]
+        best = max(ss["qps"], g["qps"])
+        ratio = u["qps"] / best if best else math.inf
+        run = u["run"] or {}
+        print(f"| {c['slo_x']}x = {c['tbt_slo_s'] * 1e3:.0f} ms | {u['qps']:.3f} req/s "
+              f"| {ss['qps']:.3f} ({ss['knobs']}) | {g['qps']:.3f} ({g['knobs']}) | {ratio:.3f} "
+              f"| {run.get('tbt_p99', math.nan) * 1e3:.0f} ms | {run.get('bubble', math.nan):.2%} |")
+    off = res["offline"]
+    best = min(v["makespan_s"] for k, v in off.items() if k != "uniform")
+    print(f"| none (all at once) | makespan {off['uniform']['makespan_s']:.1f} s "
+          f"| {off['sarathi-serve']['makespan_s']:.1f} s ({off['sarathi-serve']['knobs']}) "
+          f"| {off['gllm']['makespan_s']:.1f} s ({off['gllm']['knobs']}) "
+          f"| {off['uniform']['makespan_s'] / best:.3f} (makespan) "
+          f"| {off['uniform']['tbt_p99'] * 1e3:.0f} ms | {off['uniform']['bubble']:.2%} |")
+
+
+def pareto(st: Setting, res: dict, path: Path) -> None:
+    """Throughput against p99 TBT of every probe that met the TTFT target; each planner's
+    frontier (best throughput at or below each TBT) as a step line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for planner, color in (("uniform", "C0"), ("sarathi-serve", "C1"), ("gllm", "C2")):
+        pts = sorted((v["tbt_p99"], v["throughput_tok_s"])
+                     for k, v in st.runs.items() if json.loads(k)[0] == planner
+                     and v["qps"] is not None and v["ttft_p99"] <= st.ttft_slo and not v["failed"])
+        front, top = [], 0.0
+        for tbt, thr in pts:
+            if thr > top:
+                front.append((tbt, thr))
+                top = thr
+        if pts:
+            ax.scatter([p[0] * 1e3 for p in pts], [p[1] for p in pts], s=10, color=color, alpha=0.3)
+            ax.step([p[0] * 1e3 for p in front], [p[1] for p in front], where="post",
+                    color=color, label=f"{planner} frontier")
+    for c in res["cells"]:
+        ax.axvline(c["tbt_slo_s"] * 1e3, color="#999999", lw=0.8, linestyle="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("p99 time between tokens (ms; dashed: the TBT targets)")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_title(f"{res['setting']}: probes meeting p99 TTFT <= {st.ttft_slo:.2f} s", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=800)
+    ap.add_argument("--pd", default="1,3,10")
+    ap.add_argument("--models", default="gpt3,llama")
+    ap.add_argument("--out", default="runs/goodput")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0, results = time.perf_counter(), []
+    with tqdm(desc="goodput", unit="sim") as bar:
+        for model in args.models.split(","):
+            for pd in (float(x) for x in args.pd.split(",")):
+                label = f"{MODELS[model]}, P:D {pd:g}, {args.requests} requests"
+                st = Setting(MODELS[model], args.requests, pd, bar)
+                res = one_setting(st, label)
+                results.append(res)
+                pareto(st, res, out / f"pareto_{model}_pd{pd:g}.png")
+                tqdm.write(f"{label}: done at {time.perf_counter() - t0:.0f} s")
+    for res in results:
+        print_setting(res)
+    print(f"\nsimulated in {time.perf_counter() - t0:.0f} s; figures and goodput.json in {out}")
+    (out / "goodput.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
