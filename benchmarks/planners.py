@@ -45,7 +45,6 @@ VARIANTS = {  # label -> (planner, overrides)
     "uniform pp": ("uniform", {"in_flight": 8}),
     "uniform strict": ("uniform", {"chunk_pipelining": False}),
     "uniform no-pack": ("uniform", {"pack_prefills": False}),
-    "uniform no-spread": ("uniform", {"spread": 0}),
     "uniform time-cap": ("uniform", {}),  # target_ms: a full SARATHI micro-batch (time_cap_ms)
     "uniform C=512": ("uniform", {"chunk_size": 512}),
     "uniform C=1024": ("uniform", {"chunk_size": 1024}),
@@ -65,9 +64,9 @@ def time_cap_ms(config: str, overrides: dict) -> float:
     the time cap of the "uniform time-cap" rows."""
     from pp_runtime.costmodel import build_cost_model
     cfg = load_config(config, **overrides)
-    d = cfg.planner.max_batch_size - 1
+    d = cfg.batch_rows - 1
     return 1e3 * build_cost_model(cfg).microbatch_time(
-        [(0, cfg.planner.chunk_size - d)], [cfg.seq_len // 2] * d)
+        [(0, cfg.chunk_tokens - d)], [cfg.seq_len // 2] * d)
 
 
 def run(config: str, planner: str, overrides: dict) -> dict:

@@ -105,8 +105,21 @@ def offline_vs_server(cfg, url: str | None, n: int, repeats: int) -> dict:
             "s_per_token": min(walls) / n_out, "tokens": tokens}
 
 
-def run_planner(planner: str, cfg, args, out: Path, profile: str, sets: list[str]) -> dict:
-    c = cfg.with_overrides(planner=planner)
+def planner_sets(spec: str, args) -> tuple[str, list[str]]:
+    """'NAME[:FIELD=VALUE;...]' -> (NAME, --set pairs): an anchor at chosen knobs, e.g.
+    'sarathi-serve:chunk_size=256'; `uniform` also gets the benchmark's latency targets
+    (planner.tbt_slo_ms, ttft_slo_ms), which is how a user runs it."""
+    name, _, knobs = spec.partition(":")
+    pairs = [k for k in knobs.split(";") if k] + [f"planner={name}"]
+    if name == "uniform" and args.slo_uniform:
+        pairs += [f"tbt_slo_ms={args.tbt_slo * 1e3:g}", f"ttft_slo_ms={args.ttft_slo * 1e3:g}"]
+    return name, pairs
+
+
+def run_planner(spec: str, cfg, args, out: Path, profile: str, sets: list[str]) -> dict:
+    name, pairs = planner_sets(spec, args)
+    planner = spec
+    c = cfg.with_overrides(**_parsed(pairs))
     print(f"== {planner}", flush=True)
     sim = capacity_search(sim_probe(c.with_overrides(**{"hardware.profile": profile}),
                                     args.tbt_slo, args.ttft_slo),
@@ -118,9 +131,9 @@ def run_planner(planner: str, cfg, args, out: Path, profile: str, sets: list[str
     overhead = planner in args.overhead_planners.split(",")
     if overhead:
         row["offline"] = offline_vs_server(c, None, args.overhead_requests, args.overhead_repeats)
-    server_args = ["--config", args.config, *sum((["--set", s] for s in sets), []),
-                   "--set", f"planner={planner}"]
-    with ServerProcess(server_args, free_port(), out / f"server-{planner}.log") as server:
+    server_args = ["--config", args.config, *sum((["--set", s] for s in sets + pairs), [])]
+    log = out / f"server-{planner.replace(':', '_').replace('=', '').replace(',', '_')}.log"
+    with ServerProcess(server_args, free_port(), log) as server:
         print(f"  server ready in {server.ready_s:.1f} s at {server.url}", flush=True)
 
         def probe(q):
@@ -182,7 +195,8 @@ def main() -> None:
     ap.add_argument("--config", default="cpu/gpt2_pp2")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="config override for every run and server (repeatable)")
-    ap.add_argument("--planners", default="sarathi,orca-best,uniform")
+    ap.add_argument("--planners", default="sarathi,orca-best,uniform",
+                    help="comma-separated NAME[:FIELD=VALUE;...] (knobs joined by ';')")
     ap.add_argument("--requests", type=int, help="requests per probe (default 32; --quick 12)")
     ap.add_argument("--tbt-slo", type=float, default=None, help="p99 TBT SLO, s (default 1.5; --quick 1.0)")
     ap.add_argument("--ttft-slo", type=float, default=None, help="median TTFT SLO, s (default 5; --quick 2)")
@@ -201,6 +215,10 @@ def main() -> None:
     ap.add_argument("--profile", help="a profile directory of this machine (default: measure one)")
     ap.add_argument("--ray-address", help="a running Ray cluster (launch/ray_cluster.sh head) for "
                                           "the servers and the offline runs (default: each starts its own)")
+    ap.add_argument("--slo-uniform", action="store_true",
+                    help="give uniform the SLOs as its latency targets (--tbt-slo-ms, --ttft-slo-ms)")
+    ap.add_argument("--profile-servers", action="store_true",
+                    help="every server prices with the profile (uniform's budget; auto layer split)")
     ap.add_argument("--quick", action="store_true", help="a few minutes on 2 cores")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--out", default="runs/bench-serve")
@@ -226,6 +244,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     profile = profile_for(cfg, args, out)
+    if args.profile_servers:
+        sets.append(f"hardware.profile={profile}")
     rows = [run_planner(p, cfg, args, out, profile, sets) for p in args.planners.split(",")]
     lines = table(rows, args)
     print("\n" + "\n".join(lines))
