@@ -15,11 +15,10 @@ micro-batch (decodes first, prefill to K), so an offline batch runs at the knee.
 T sizes the rows (admission); each micro-batch is then bounded by the round it starts.
 `PipelineClock` replays the pipeline on predicted stage times (in order, stage by stage,
 sends included), so it knows when each micro-batch in flight will come back. A new one
-may end no later than S after the last token of every decode it carries, and no later
-than S after each micro-batch in flight comes back, less the decode-only micro-batches
-that must still follow it before that one's requests ride again: a heavy micro-batch after
-light ones delays every request behind it, and this is what keeps the p99 time between
-tokens within S where micro-batch times change (a burst of prompts after a lull).
+may come back no later than S after the last token of every decode it carries; its
+predicted return includes the wait behind every micro-batch ahead of it, which a fixed
+per-micro-batch T does not see: after a lull, a burst of prompts delays every request
+behind it, and a T alone let the p99 time between tokens pass S.
 
 Predicted times come from the one cost model (`costmodel/`); `observe` corrects them by
 the measured micro-batches (the residual: measured / predicted over the stage that took

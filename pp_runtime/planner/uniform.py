@@ -3,8 +3,8 @@
 The budget (`planner/budget.py`): K, the cost model's throughput knee (tokens per
 micro-batch, decodes included, past which more tokens stop lowering the time per token),
 and with a TBT target S (`planner.tbt_slo_ms`) the pipeline clock: a micro-batch may come
-back no later than 0.95 x S after the last token of each decode it carries (and of each
-request in flight behind it). With no target only K bounds it, so an offline batch runs
+back no later than 0.95 x S after the last token of each decode it carries (its predicted
+return includes the wait behind every micro-batch in flight). With no target only K bounds it, so an offline batch runs
 at the knee. Each micro-batch:
 
   1. decodes first, spread evenly: at most ceil(R / pp) of the R requests decoding, oldest
@@ -70,7 +70,6 @@ class UniformPlanner(BasePlanner):
         self.predicted: dict[int, float] = {}  # mb_id -> predicted seconds
         self.clock = PipelineClock(cost_model, self.pp)
         self.last_token_s: dict[int, float] = {}  # request id -> when its last token came
-        self.floor_s = cost_model.microbatch_time([], [1])  # a decode-only micro-batch
         self.margin = MARGIN
 
     # ---- admission ---------------------------------------------------------------------
@@ -155,18 +154,15 @@ class UniformPlanner(BasePlanner):
         return seqs
 
     def round_bound(self, now: float, decodes: list[int]) -> float:
-        """The latest the next micro-batch may come back (TBT target; inf without): S after
-        the last token of each decode it carries, and S after each micro-batch in flight
-        returns less the decode-only micro-batches that must follow it first."""
+        """The latest the next micro-batch may come back (TBT target; inf without): 0.95 x S
+        after the last token of each decode it carries. The pipeline clock's completion
+        includes the wait behind every micro-batch in flight, so a heavy micro-batch ahead
+        (a burst of prompts after a lull) leaves this one less room."""
         b = self.budget
         if b.tbt_slo_s is None:
             return INF
-        s, last = b.tbt_slo_s * self.margin, self.last_token_s
-        bound = min((last.get(rid, now) for rid in decodes), default=now) + s
-        step, nxt = self.floor_s * b.residual, self._next_mb
-        for mb_id, done in self.clock.done.items():
-            bound = min(bound, done + s - (mb_id + self.depth - nxt) * step)
-        return bound
+        last = self.last_token_s
+        return min((last.get(rid, now) for rid in decodes), default=now) + b.tbt_slo_s * self.margin
 
     def fill(self, now: float, kv: list[int], prefilling: list[Request],
              bound: float, even: int) -> list[SeqChunk]:

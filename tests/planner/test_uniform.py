@@ -117,19 +117,19 @@ def test_uniform_finishes_every_request_with_caps_and_without():
             assert p.top == 64
 
 
-@pytest.mark.parametrize("slo_ms", [100.0, 300.0])
+@pytest.mark.parametrize("slo_ms", [100.0, 200.0])
 def test_the_tbt_target_holds_on_the_simulated_pipeline(slo_ms):
-    """GPT-3 TP8 x PP8 under Poisson load: the p99 time between tokens stays within the target
-    (the same run without one goes past 100 ms)."""
+    """GPT-3 TP8 x PP8 under Poisson load with lulls and bursts of prompts: the p99 time
+    between tokens stays within the target (the same run without one goes past 100 ms)."""
     from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import build_report
-    over = {"workload.num_requests": 150, "workload.qps": 2.0, "workload.pd_ratio": 1,
+    over = {"workload.num_requests": 300, "workload.qps": 1.0, "workload.pd_ratio": 1,
             "cache.kv_slots": 216, "planner": "uniform", "paged": True, "chunk_size": None,
             "max_batch_size": None}  # the paper config's C, B and slots are sarathi's
     cfg = load_config("paper/gpt3_tp8_pp8", tbt_slo_ms=slo_ms, **over)
     s = build_report(simulate(cfg, progress=False))["summary"]
     assert s["tbt_s"]["p99"] <= slo_ms / 1e3
-    assert s["finish_reasons"] == {"length": 150}
+    assert s["finish_reasons"] == {"length": 300}
     if slo_ms == 100.0:
         free = build_report(simulate(load_config("paper/gpt3_tp8_pp8", **over), progress=False))
         assert free["summary"]["tbt_s"]["p99"] > 0.100
