@@ -5,8 +5,12 @@ LLaMA-2-70B TP8 x PP8 on H100s, at P:D 1, 3 and 10.
 For each setting:
   - u, the unloaded time between tokens (one decode through the pipeline, sends included),
     and the TTFT target: 5 x the unloaded time to first token of the mean prompt;
+  - the offline makespan of every row (every request at once), and from the fastest the
+    highest rate probed: 1.25 x its throughput (N / makespan). Faster arrivals than any
+    schedule can serve would test how many of the N requests the KV memory absorbs in a
+    burst, not a rate the pipeline sustains;
   - TBT targets 2u, 3u, 5u; for each, the capacity (the highest Poisson rate whose p99 TBT
-    and p99 TTFT meet their targets, on a geometric grid of rates) of
+    and p99 TTFT meet their targets, on a geometric grid of rates x1.1) of
       uniform        its defaults, given the two targets (planner.tbt_slo_ms, ttft_slo_ms);
       sarathi-serve  chunk_size in SERVE_CHUNKS, max_num_seqs what the pages hold;
       gllm           maxp in GLLM_MAXP, its other knobs at gLLM's defaults;
@@ -18,7 +22,7 @@ For each setting:
     each planner's frontier (its best over knobs).
 Every planner gets the same KV bytes (the config's kv_slots contexts, as 16-token pages).
 
-    python benchmarks/goodput.py [--requests 800] [--pd 1,3,10] [--models gpt3,llama]
+    python benchmarks/goodput.py [--requests 1000] [--pd 1,3,10] [--models gpt3,llama]
                                  [--out runs/goodput]
 """
 from __future__ import annotations
@@ -44,12 +48,13 @@ GLLM_MAXP = (2048, 8192)
 GRID_STEP = 1.1  # rates probed: RATE0 x GRID_STEP^k
 RATE0 = 0.05
 ROWS_B = 4096  # B for the anchors: never binds (they cap rows by their own knobs)
+RATE_HEADROOM = 1.25  # rates probed: up to this x the best offline throughput (req/s)
 
 
 class Setting:
     def __init__(self, config: str, requests: int, pd: float, bar: tqdm):
         base = load_config(config)
-        self.config, self.bar, self.pp = config, bar, base.parallel.pp
+        self.config, self.bar, self.pp, self.requests = config, bar, base.parallel.pp, requests
         self.base = {"workload.num_requests": requests, "workload.pd_ratio": pd,
                      "cache.kv_slots": base.num_slots, "cache.paged": True}
         cfg = load_config(config, **self.base)
@@ -62,13 +67,23 @@ class Setting:
         self.ttft_slo = 5 * (sum(cost.stage_times([(0, prompt)], []))
                              + sum(cost.send_time(prompt, s) for s in range(1, self.pp)))
         self.runs: dict[str, dict] = {}
+        self.top = 10 ** 6  # highest grid index probed: set from the offline throughput
+
+    def cap_rates(self, makespan_s: float) -> None:
+        """No rate above RATE_HEADROOM x what the fastest planner finishes offline (N /
+        makespan): faster arrivals than any schedule can serve only test how many requests
+        the KV memory absorbs in a burst of N, not a rate the pipeline sustains."""
+        top = RATE_HEADROOM * self.requests / makespan_s
+        self.top = int(math.log(top / RATE0) / math.log(GRID_STEP))
 
     def run(self, planner: str, knobs: dict, qps: float | None) -> dict:
         key = json.dumps([planner, knobs, qps], sort_keys=True)
         if key not in self.runs:
             self.bar.set_postfix_str(f"{self.config.split('/')[-1]} {planner} {knobs} {qps}"[:70])
             over = {**self.base, **knobs, "workload.qps": qps}
-            if planner != "uniform":
+            if planner == "uniform":  # its defaults: the paper config's C and B are sarathi's
+                over = {"chunk_size": None, "max_batch_size": None, **over}
+            else:
                 over.update({"in_flight": self.pp, "max_batch_size": ROWS_B})
             s = build_report(simulate(load_config(self.config, planner=planner, **over),
                                       progress=False))["summary"]
@@ -87,9 +102,9 @@ class Setting:
         """The highest grid rate that meets both targets: bracket in steps of 8 grid points
         (x2.1), then bisect (a rate that fails is taken to fail at every higher one)."""
         rate = lambda k: round(RATE0 * GRID_STEP ** k, 6)  # noqa: E731
-        ok = lambda k: self.ok(self.run(planner, knobs, rate(k)), tbt_slo)  # noqa: E731
+        ok = lambda k: k <= self.top and self.ok(self.run(planner, knobs, rate(k)), tbt_slo)  # noqa: E731
         lo = hi = None
-        k = 30
+        k = min(30, self.top)
         while lo is None or hi is None:
             if ok(k):
                 lo, k = k, k + 8
@@ -112,6 +127,14 @@ def anchors() -> list[tuple[str, str, dict]]:
 def one_setting(st: Setting, label: str) -> dict:
     out = {"setting": label, "tbt_unloaded_s": st.tbt_unloaded, "ttft_slo_s": st.ttft_slo,
            "cells": [], "offline": {}}
+    out["offline"]["uniform"] = st.run("uniform", {}, None)
+    for planner, name, knobs in anchors():
+        r = st.run(planner, knobs, None)
+        cur = out["offline"].get(planner)
+        if cur is None or r["makespan_s"] < cur["makespan_s"]:
+            out["offline"][planner] = {**r, "knobs": name}
+    st.cap_rates(min(v["makespan_s"] for v in out["offline"].values()))
+    out["max_rate"] = RATE0 * GRID_STEP ** st.top
     for mult in SLO_MULTIPLES:
         slo = mult * st.tbt_unloaded
         uni_knobs = {"tbt_slo_ms": slo * 1e3, "ttft_slo_ms": st.ttft_slo * 1e3}
@@ -122,18 +145,13 @@ def one_setting(st: Setting, label: str) -> dict:
                         if p == planner), key=lambda x: x[0][0])
             cell[planner] = {"qps": best[0][0], "knobs": best[1], "run": best[0][1]}
         out["cells"].append(cell)
-    out["offline"]["uniform"] = st.run("uniform", {}, None)
-    for planner, name, knobs in anchors():
-        r = st.run(planner, knobs, None)
-        cur = out["offline"].get(planner)
-        if cur is None or r["makespan_s"] < cur["makespan_s"]:
-            out["offline"][planner] = {**r, "knobs": name}
     return out
 
 
 def print_setting(res: dict) -> None:
     print(f"\n### {res['setting']}: unloaded TBT {res['tbt_unloaded_s'] * 1e3:.1f} ms, "
-          f"TTFT target (p99) {res['ttft_slo_s']:.2f} s\n")
+          f"TTFT target (p99) {res['ttft_slo_s']:.2f} s, rates probed up to "
+          f"{res['max_rate']:.3f} req/s\n")
     print("| TBT SLO | uniform (defaults) | sarathi-serve best | gllm best | uniform ÷ best anchor "
           "| uniform TBT p99 | uniform bubble |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -190,7 +208,7 @@ def pareto(st: Setting, res: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=800)
+    ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--pd", default="1,3,10")
     ap.add_argument("--models", default="gpt3,llama")
     ap.add_argument("--out", default="runs/goodput")
@@ -207,6 +225,9 @@ def main() -> None:
                 results.append(res)
                 pareto(st, res, out / f"pareto_{model}_pd{pd:g}.png")
                 tqdm.write(f"{label}: done at {time.perf_counter() - t0:.0f} s")
+                print_setting(res)  # as it comes: a long run shows its settings one by one
+                (out / "goodput.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\n## All settings")
     for res in results:
         print_setting(res)
     print(f"\nsimulated in {time.perf_counter() - t0:.0f} s; figures and goodput.json in {out}")

@@ -189,6 +189,9 @@ class UniformPlanner(BasePlanner):
 
     def largest_chunk(self, now: float, chunks: list, kv: list[int], start: int, hi: int,
                       bound: float, tokens: int) -> int:
+        b = self.budget
+        if bound == INF and b.tbt_slo_s is None and b.base_s < INF:  # target_ms: a time cap
+            return b.largest(lambda n: b.time([*chunks, (start, n)], kv) <= b.period_s, hi)
         if bound == INF or hi <= 0:
             return max(hi, 0)
         clock, scale = self.clock, self.budget.residual

@@ -133,3 +133,10 @@ def test_the_tbt_target_holds_on_the_simulated_pipeline(slo_ms):
     if slo_ms == 100.0:
         free = build_report(simulate(load_config("paper/gpt3_tp8_pp8", **over), progress=False))
         assert free["summary"]["tbt_s"]["p99"] > 0.100
+
+
+def test_target_ms_caps_each_microbatch_by_hand():
+    """target_ms = 5: 1 ms + 0.01 ms x n <= 5 ms -> a prompt's chunk of n = 400 tokens."""
+    p = toy(target_ms=5.0)
+    add(p, 0, 10_000, 4)
+    assert [s.num_tokens for s in p.schedule(0.0).seqs] == [400]
