@@ -48,6 +48,7 @@ GLLM_MAXP = (2048, 8192)
 GRID_STEP = 1.1  # rates probed: RATE0 x GRID_STEP^k
 RATE0 = 0.05
 ROWS_B = 4096  # B for the anchors: never binds (they cap rows by their own knobs)
+ONLY_UNIFORM = False  # --only-uniform: the anchors' offline rows (for the rate cap) only
 RATE_HEADROOM = 1.25  # rates probed: up to this x the best offline throughput (req/s)
 
 
@@ -140,7 +141,7 @@ def one_setting(st: Setting, label: str) -> dict:
         uni_knobs = {"tbt_slo_ms": slo * 1e3, "ttft_slo_ms": st.ttft_slo * 1e3}
         cap, run = st.capacity("uniform", uni_knobs, slo)
         cell = {"slo_x": mult, "tbt_slo_s": slo, "uniform": {"qps": cap, "run": run}}
-        for planner in ("sarathi-serve", "gllm"):
+        for planner in () if ONLY_UNIFORM else ("sarathi-serve", "gllm"):
             best = max(((st.capacity(planner, knobs, slo), name) for p, name, knobs in anchors()
                         if p == planner), key=lambda x: x[0][0])
             cell[planner] = {"qps": best[0][0], "knobs": best[1], "run": best[0][1]}
@@ -149,6 +150,17 @@ def one_setting(st: Setting, label: str) -> dict:
 
 
 def print_setting(res: dict) -> None:
+    if ONLY_UNIFORM:
+        print(f"\n### {res['setting']}: uniform only; TTFT target {res['ttft_slo_s']:.2f} s, "
+              f"rates up to {res['max_rate']:.3f} req/s")
+        for c in res["cells"]:
+            run = c["uniform"]["run"] or {}
+            print(f"| {c['slo_x']}x = {c['tbt_slo_s'] * 1e3:.0f} ms | {c['uniform']['qps']:.3f} req/s "
+                  f"| TBT p99 {run.get('tbt_p99', math.nan) * 1e3:.0f} ms | bubble "
+                  f"{run.get('bubble', math.nan):.2%} |")
+        off = res["offline"]["uniform"]
+        print(f"| none | makespan {off['makespan_s']:.1f} s | bubble {off['bubble']:.2%} |")
+        return
     print(f"\n### {res['setting']}: unloaded TBT {res['tbt_unloaded_s'] * 1e3:.1f} ms, "
           f"TTFT target (p99) {res['ttft_slo_s']:.2f} s, rates probed up to "
           f"{res['max_rate']:.3f} req/s\n")
@@ -212,7 +224,11 @@ def main() -> None:
     ap.add_argument("--pd", default="1,3,10")
     ap.add_argument("--models", default="gpt3,llama")
     ap.add_argument("--out", default="runs/goodput")
+    ap.add_argument("--only-uniform", action="store_true",
+                    help="capacity of uniform only (the anchors' code unchanged since a full run)")
     args = ap.parse_args()
+    global ONLY_UNIFORM
+    ONLY_UNIFORM = args.only_uniform
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0, results = time.perf_counter(), []

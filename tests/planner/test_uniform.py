@@ -82,15 +82,17 @@ def test_scarce_prefill_is_shared_evenly_over_the_round():
 
 def test_the_tbt_target_cuts_the_chunk_by_the_round():
     """S = 30 ms, pp 2, 2 in flight: the micro-batch must come back by 0.95 x 30 = 28.5 ms
-    after its decode's last token (at 0). It crosses 2 stages of the toy's time each:
-    2 x (1 + 0.01 (n + 1) + 0.001 x 101) ms <= 28.5 ms -> n + 1 <= 1314.9: n = 1313."""
+    after its decode's last token (at 0), crossing 2 stages of the toy's time each. The
+    decode alone: 2 x (1 + 0.01 + 0.101) = 2.222 ms; it takes a quarter of the slack
+    (SLACK_SHARE): 2.222 + 0.25 x 26.278 = 8.7915 ms >= 2 x (1.101 + 0.01 (n + 1)) ms
+    -> n + 1 <= 329.475: n = 328."""
     p = toy(in_flight=2, tbt_slo_ms=30.0)
     add(p, 0, 100, 50)
     first = p.schedule(0.0)  # the prompt, alone
     p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
     add(p, 1, 5000, 4)
     mb = p.schedule(0.0)
-    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 1313, False)]
+    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 328, False)]
 
 
 def test_rows_are_bounded_by_pages_not_by_a_hand_count():
