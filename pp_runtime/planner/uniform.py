@@ -10,13 +10,14 @@ at the knee. Each micro-batch:
   1. decodes first, spread evenly: at most ceil(R / pp) of the R requests decoding, oldest
      first (gLLM's balanced decode budget), so every micro-batch of a round carries its
      share instead of the ones the tokens came back in;
-  2. then prefill chunks, oldest prompt first, up to K tokens in all and the round's
-     deadline (binary search on the cost model); when the admitted prompts hold fewer
+  2. then prefill chunks, oldest prompt first, up to K tokens in all and a quarter of the
+     slack before the round's deadline (binary search on the cost model; the rest is left
+     to the micro-batches behind it); when the admitted prompts hold fewer
      tokens than the round can take, an even share of them per micro-batch (left / depth),
      so prompt work spreads over the round instead of making a few micro-batches heavy.
      A prompt's last chunk leaves room to the next prompts (packing); its next chunk may
      follow the previous ones in flight (chunk pipelining). With no decode aboard at least
-     K / 8 tokens go, so prompts always move.
+     K / 8 tokens go, so prompts always move; beside decodes, whatever fits.
 Rows are bounded by KV pages and by time, not by a hand count:
   - admission (FCFS) takes a request when the pages of its prompt are free beyond a share
     (`RESERVE`) of the growth the running requests still owe (their expected output:
