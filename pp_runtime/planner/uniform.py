@@ -74,7 +74,6 @@ class UniformPlanner(BasePlanner):
         self.predicted: dict[int, float] = {}  # mb_id -> predicted seconds
         self.clock = PipelineClock(cost_model, self.pp)
         self.last_token_s: dict[int, float] = {}  # request id -> when its last token came
-        self.margin = MARGIN
 
     # ---- admission ---------------------------------------------------------------------
     def expected_len(self, r: Request) -> float:
@@ -166,7 +165,7 @@ class UniformPlanner(BasePlanner):
         if b.tbt_slo_s is None:
             return INF
         last = self.last_token_s
-        return min((last.get(rid, now) for rid in decodes), default=now) + b.tbt_slo_s * self.margin
+        return min((last.get(rid, now) for rid in decodes), default=now) + b.tbt_slo_s * MARGIN
 
     def fill(self, now: float, kv: list[int], prefilling: list[Request],
              bound: float, even: int) -> list[SeqChunk]:
