@@ -17,15 +17,17 @@ at the knee. Each micro-batch:
      so prompt work spreads over the round instead of making a few micro-batches heavy.
      A prompt's last chunk leaves room to the next prompts (packing); its next chunk may
      follow the previous ones in flight (chunk pipelining). With no decode aboard at least
-     K / 8 tokens go, so prompts always move; beside decodes, whatever fits.
+     K / 8 tokens go (with a target, at most what fits in T), so prompts always move;
+     beside decodes, whatever fits, however small.
 Rows are bounded by KV pages and by time, not by a hand count:
   - admission (FCFS) takes a request when the pages of its prompt are free beyond a share
     (`RESERVE`) of the growth the running requests still owe (their expected output:
     `max_tokens` times the share finished requests used);
   - with a TBT target, admission also stops at the rows the period holds: depth x the
-    decodes that fit in T = 0.95 x S / depth beside a prefill share (K / 8, or with a TTFT
-    target `planner.ttft_slo_ms` what the queue needs per micro-batch to reach its first
-    tokens in time), at the running requests' mean mid-life KV length.
+    decodes d that fit in T = 0.95 x S / depth beside the prompt tokens that keep pace with
+    them (d x the requests' prompt tokens per output token, or with a TTFT target
+    `planner.ttft_slo_ms` what the queue needs per micro-batch to reach its first tokens
+    in time, if more), at the running requests' mean mid-life KV length.
 `chunk_size` and `max_batch_size` are optional caps (tokens and rows per micro-batch);
 `target_ms` sets T by hand. Predictions are corrected by what comes back: the pipeline
 clock shifts by each returned micro-batch's error, and `TimeBudget.observe` scales stage
@@ -33,6 +35,8 @@ times by measured / predicted, so a slower pipeline than priced gets smaller mic
 docs/planner.md has the measurements (benchmarks/goodput.py).
 """
 from __future__ import annotations
+
+import math
 
 from pp_runtime.config import Config
 from pp_runtime.core.batch import MicroBatch, SampledTokens, SeqChunk
@@ -87,13 +91,16 @@ class UniformPlanner(BasePlanner):
         waiting, running, kv = self.waiting, self.running, self.kv
         if not waiting or waiting[0].arrival_s > now:
             return
-        owed, life = 0, 0.0
+        owed, life, prompts, outputs = 0, 0.0, waiting[0].prompt_len, 0.0
         for r in running:
-            final = kv.blocks_for(int(self.expected_len(r)))
-            owed += max(0, final - len(r.blocks)) * RESERVE
-            life += (r.prompt_len + self.expected_len(r)) / 2
+            end = self.expected_len(r)
+            owed += max(0, kv.blocks_for(int(end)) - len(r.blocks)) * RESERVE
+            life += (r.prompt_len + end) / 2
+            prompts, outputs = prompts + r.prompt_len, outputs + end - r.prompt_len
+        outputs += self.expected_len(waiting[0]) - waiting[0].prompt_len
         free = kv.pool.num_free - int(owed)
-        rows = self.row_cap(now, life / len(running) if running else None)
+        kv_len = life / len(running) if running else waiting[0].prompt_len + 1
+        rows = self.row_cap(now, int(kv_len), prompts / max(outputs, 1.0))
         while waiting and waiting[0].arrival_s <= now and len(running) < min(self.max_running, rows):
             req = waiting[0]
             need = kv.need(req)
@@ -106,15 +113,18 @@ class UniformPlanner(BasePlanner):
             free -= need + growth
             running.append(waiting.popleft())
 
-    def row_cap(self, now: float, life_kv: float | None) -> float:
-        """Requests that may run at once under the time budget: depth x the decodes that fit
-        in T beside the prefill share, at the running requests' mean mid-life KV length."""
+    def row_cap(self, now: float, kv: int, mix: float) -> float:
+        """Requests that may run at once under the time budget: depth x the largest d such
+        that d decodes at the running requests' mean mid-life KV length fit in T beside the
+        prompt tokens that keep pace with them. Each request brings `mix` prompt tokens per
+        output token, so d decodes a micro-batch need d x mix prompt tokens beside them to
+        admit new requests as fast as old ones finish (or, with a TTFT target, what the
+        queue needs, if more)."""
         if not self.bounded:
             return INF
-        b, period = self.budget, self.budget.period_s
-        kv = int(life_kv or self.waiting[0].prompt_len + 1)
-        share = min(self.top, max(self.min_chunk, self.prefill_need(now)))
-        fits = lambda d: b.time([(0, share)], [kv] * d) <= period  # noqa: E731
+        b, period, need = self.budget, self.budget.period_s, self.prefill_need(now)
+        share = lambda d: min(self.top, max(need, math.ceil(d * mix)))  # noqa: E731
+        fits = lambda d: b.time([(0, share(d))], [kv] * d) <= period  # noqa: E731
         return max(1, b.largest(fits, 4096)) * self.depth
 
     def prefill_need(self, now: float) -> int:
@@ -150,7 +160,7 @@ class UniformPlanner(BasePlanner):
         limit = min(share, self.max_batch - 1 if prefilling else self.max_batch)
         seqs = [self.decode(r) for r in ready[:limit]]
         kv = [s.kv_len for s in seqs]
-        bound = self.round_bound(now, [s.request_id for s in seqs])
+        bound = self.round_bound(now, [r.request_id for r in ready])
         if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
             even = max(self.min_chunk, -(-left // self.depth))
             seqs += self.fill(now, kv, prefilling, bound, even)
@@ -158,9 +168,10 @@ class UniformPlanner(BasePlanner):
 
     def round_bound(self, now: float, decodes: list[int]) -> float:
         """The latest the next micro-batch may come back (TBT target; inf without): 0.95 x S
-        after the last token of each decode it carries. The pipeline clock's completion
-        includes the wait behind every micro-batch in flight, so a heavy micro-batch ahead
-        (a burst of prompts after a lull) leaves this one less room."""
+        after the last token of each ready decode, the ones it carries and the ones left to
+        the micro-batches behind it (which come back after it). The pipeline clock's
+        completion includes the wait behind every micro-batch in flight, so a heavy
+        micro-batch ahead (a burst of prompts after a lull) leaves this one less room."""
         b = self.budget
         if b.tbt_slo_s is None:
             return INF
@@ -171,8 +182,8 @@ class UniformPlanner(BasePlanner):
              bound: float, even: int) -> list[SeqChunk]:
         """Prefill chunks beside decodes of these KV lengths, up to K tokens in all and, with
         a TBT target, while the micro-batch comes back by `bound`: the first prompt's next
-        chunk, then (packing) the next prompts'. With no decode aboard at least C / 8
-        tokens, so prompts always move."""
+        chunk, then (packing) the next prompts'. With no decode aboard at least
+        `alone_chunk()` tokens, so prompts always move; beside decodes only what fits."""
         chunks: list[tuple[int, int]] = []
         room = min(self.top - len(kv), even)
         out, tokens = [], len(kv)
@@ -180,15 +191,24 @@ class UniformPlanner(BasePlanner):
             start, left = req.num_scheduled, req.prefill_len - req.num_scheduled
             n = self.largest_chunk(now, chunks, kv, start, min(left, room), bound, tokens)
             if n < min(left, self.min_chunk):  # too little room for a useful chunk
-                if chunks or (kv and n <= 0):  # beside decodes: what fits, however small
+                if chunks or (kv and n <= 0):
                     break
-                n = min(left, self.min_chunk)  # alone: prompts always move
+                if not kv:  # alone: prompts always move (beside decodes: what fits)
+                    n = min(left, self.alone_chunk())
             chunks.append((start, n))
             out.append(self.prefill(req, n))
             room, tokens = room - n, tokens + n
             if n < left or not self.pack or room <= 0 or len(kv) + len(out) >= self.max_batch:
                 break
         return out
+
+    def alone_chunk(self) -> int:
+        """A prompt's chunk when nothing else fits: K / 8, or with a target what fits in T
+        (at least one token, so prompts always move)."""
+        b = self.budget
+        if not self.bounded:
+            return self.min_chunk
+        return max(1, b.largest(lambda n: b.time([(0, n)], []) <= b.period_s, self.min_chunk))
 
     def largest_chunk(self, now: float, chunks: list, kv: list[int], start: int, hi: int,
                       bound: float, tokens: int) -> int:

@@ -95,6 +95,33 @@ def test_the_tbt_target_cuts_the_chunk_by_the_round():
     assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 328, False)]
 
 
+def test_beside_a_decode_the_chunk_is_what_fits_even_below_k_over_8():
+    """As above with S = 12 ms: the bound is 2.222 + 0.25 x (11.4 - 2.222) = 4.5165 ms >=
+    2 x (1.101 + 0.01 (n + 1)) ms -> n + 1 <= 115.725: n = 114, under K / 8 = 224 (a
+    chunk of K / 8 beside the decode would break its time between tokens)."""
+    p = toy(in_flight=2, tbt_slo_ms=12.0)
+    add(p, 0, 100, 50)
+    first = p.schedule(0.0)
+    p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
+    add(p, 1, 5000, 4)
+    mb = p.schedule(0.0)
+    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 114, False)]
+
+
+@pytest.mark.parametrize("prompt,rows", [(100, 218), (900, 26)])
+def test_rows_under_a_target_keep_pace_with_the_prompts_they_bring(prompt, rows):
+    """S = 30 ms, 2 in flight: T = 0.95 x 30 / 2 = 14.25 ms. Requests of 100 output tokens
+    bring prompt / 100 prompt tokens per output token (mix); d decodes at KV prompt + 1 fit
+    beside d x mix prompt tokens when 1 + 0.01 (d + d x mix) + 0.001 (prompt + 1) d <= 14.25:
+    mix 1 -> 0.121 d <= 13.25, d = 109, 2 x 109 = 218 rows; mix 9 -> 1.001 d <= 13.25,
+    d = 13, 26 rows. Pages hold far more."""
+    p = toy(in_flight=2, tbt_slo_ms=30.0, kv_slots=400, watermark=0.0)
+    for rid in range(300):
+        add(p, rid, prompt, 100)
+    p.admit(0.0)
+    assert len(p.running) == rows
+
+
 def test_rows_are_bounded_by_pages_not_by_a_hand_count():
     """16-token pages, a pool of 64 (4 contexts of 256): prompts of 100 tokens and 20
     output (8 pages each, with 30 % of the 1-page growth kept free) -> 8 run at once; no B."""
