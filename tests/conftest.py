@@ -24,16 +24,41 @@ def slot_tables(seqs, cfg) -> tuple:
     return tables(seqs, -(-cfg.seq_len // cfg.cache.block_size))
 
 
+# the llama family's other checkpoints, on LLAMA_SHAPES: (config class, model class, fields)
+LLAMA_KIN = {
+    # all three llama3 bands at head_dim 8, theta 500: wavelengths 6.3 (kept), 30 (smoothed),
+    # 140 and 664 (divided by 8) against 32 / 4 and 32 / 1
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
+    "llama-linear": ("LlamaConfig", "LlamaForCausalLM",
+                     dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "llama-dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(  # past 32 the base grows
+        max_position_embeddings=32, rope_scaling=dict(rope_type="dynamic", factor=2.0))),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),  # q/k/v bias
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),  # q/k norm; 8 x 16 > 64
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
+}
+
+
 def hf_model(family: str, **changes):
-    """A random-weight transformers model; a large init std makes greedy choices decisive."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    """A random-weight transformers model; a large init std makes greedy choices decisive.
+    `family`: gpt, llama or a key of LLAMA_KIN."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(1234)
     if family == "gpt":
         model = GPT2LMHeadModel(GPT2Config(**{**GPT2_SHAPES, "initializer_range": 0.2, **changes}))
     else:
-        model = LlamaForCausalLM(LlamaConfig(**{**LLAMA_SHAPES, "initializer_range": 0.2,
-                                                "rope_theta": 500.0, **changes}))
+        config, cls, fields = LLAMA_KIN.get(family, ("LlamaConfig", "LlamaForCausalLM", {}))
+        model = getattr(transformers, cls)(getattr(transformers, config)(**{
+            **LLAMA_SHAPES, "initializer_range": 0.2, "rope_theta": 500.0, **fields, **changes}))
+        if family in LLAMA_KIN:  # transformers inits biases and norms to 0 and 1: vary them
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.dim() == 1:
+                        p.add_(torch.randn_like(p) * 0.2)
     return model.eval()
 
 

@@ -130,7 +130,8 @@ def with_checkpoint_model(cfg: Config, checkpoint: str | None) -> Config:
 
     from pp_runtime.model.loader import model_config_from_hf, read_hf_config
 
-    model = model_config_from_hf(read_hf_config(checkpoint), name=Path(checkpoint).name)
+    model = model_config_from_hf(read_hf_config(checkpoint), name=Path(checkpoint).name,
+                                 where=f"{checkpoint}/config.json")
     return dataclasses.replace(cfg, model=model)
 
 

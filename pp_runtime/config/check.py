@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from pp_runtime.config.sections import CacheConfig, Config, ParallelConfig
 
 FAMILIES = ("gpt", "llama")
+ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3")  # model/rope.py
 PLANNERS = ("sarathi", "orca-best", "orca-worst", "request-level", "vllm", "uniform",
             "sarathi-serve", "gllm")
 
@@ -87,19 +88,40 @@ def _check_model(m) -> None:
     for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_positions"):
         _check(getattr(m, name) >= 1, f"model.{name}", f"must be >= 1, got {getattr(m, name)}",
                "set a positive value")
-    _check(m.hidden_size % m.num_heads == 0, "model.num_heads",
+    _check(m.head_size is not None or m.hidden_size % m.num_heads == 0, "model.num_heads",
            f"hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}",
-           "pick num_heads that divides hidden_size")
+           "pick num_heads that divides hidden_size, or set head_size")
+    _check(m.head_size is None or m.head_size >= 1, "model.head_size",
+           f"must be >= 1, got {m.head_size}", "leave it unset for hidden_size / num_heads")
     _check(m.kv_heads >= 1 and m.num_heads % m.kv_heads == 0, "model.num_kv_heads",
            f"num_heads {m.num_heads} is not a multiple of num_kv_heads {m.kv_heads}",
            "pick num_kv_heads that divides num_heads")
     _check(m.family != "llama" or m.head_dim % 2 == 0, "model.hidden_size",
            f"RoPE needs an even head dim, got {m.head_dim}", "change hidden_size or num_heads")
+    _check_llama_fields(m)
     _check(m.ffn >= 1, "model.ffn_size", f"must be >= 1, got {m.ffn}", "set a positive value")
     _check(m.act in ("gelu_new", "gelu", "relu", "silu"), "model.activation",
            f"unknown activation {m.act!r}", "use gelu_new, gelu, relu or silu")
     _check(m.eos_token_id is None or 0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id",
            f"{m.eos_token_id} is outside the vocabulary [0, {m.vocab_size})", "fix or unset it")
+
+
+def _check_llama_fields(m) -> None:
+    """RoPE scaling, q/k norm and the sliding window: llama family only, in range."""
+    llama = m.family == "llama"
+    _check(m.rope_scaling in ROPE_SCALINGS, "model.rope_scaling",
+           f"unknown RoPE scaling {m.rope_scaling!r}", f"use one of {', '.join(ROPE_SCALINGS)}")
+    _check(llama or (m.rope_scaling == "default" and not m.qk_norm), "model.family",
+           "rope_scaling and qk_norm need RoPE (the llama family)", "use family: llama")
+    _check(m.rope_factor >= 1.0, "model.rope_factor", f"must be >= 1, got {m.rope_factor}",
+           "use 1.0 for no scaling")
+    _check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
+           f"must exceed rope_low_freq_factor {m.rope_low_freq_factor}", "use llama3's 4.0 and 1.0")
+    _check(m.rope_original_positions is None or m.rope_original_positions >= 1,
+           "model.rope_original_positions", f"must be >= 1, got {m.rope_original_positions}",
+           "leave it unset for max_positions")
+    _check(m.sliding_window is None or (llama and m.sliding_window >= 1), "model.sliding_window",
+           f"must be >= 1 on the llama family, got {m.sliding_window}", "leave it unset for none")
 
 
 def _check_parallel(p, hw) -> None:

@@ -25,7 +25,8 @@ DEFAULT_ROWS = 8  # B of the fixed-B planners with neither max_batch_size nor kv
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "gpt2-small"  # label used in reports
-    family: str = "gpt"  # "gpt" (learned positions, LayerNorm, GELU) or "llama" (RoPE, RMSNorm, SwiGLU, GQA)
+    family: str = "gpt"  # "gpt" (learned positions, LayerNorm, GELU) or "llama" (RoPE, RMSNorm,
+    #                      SwiGLU, GQA; also Qwen2/2.5, Qwen3 and Mistral, by the fields below)
     num_layers: int = 12  # decoder layers; cut into pp stages
     hidden_size: int = 768  # model width
     num_heads: int = 12  # query heads
@@ -40,6 +41,22 @@ class ModelConfig:
     #                                      torch_dtype, or dtype); None = unknown or random
     norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base (llama only)
+    rope_scaling: str = "default"  # RoPE frequencies as transformers computes them: default,
+    #                                linear (positions / factor), dynamic (NTK: the base grows
+    #                                with a sequence past rope_original_positions), llama3
+    rope_factor: float = 1.0  # the factor of linear, dynamic and llama3 scaling
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / low are / factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / high are kept
+    rope_original_positions: int | None = None  # llama3: original_max_position_embeddings;
+    #                                             dynamic: the context past which the base
+    #                                             grows; None = max_positions
+    head_size: int | None = None  # width of one head; None = hidden_size / num_heads
+    #                               (Qwen3-32B: 128 at hidden 5120 over 64 heads)
+    qkv_bias: bool | None = None  # bias on the q, k, v projections; None = `bias` (Qwen2: True
+    #                               with bias False: o_proj and the MLP have none)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    sliding_window: int | None = None  # a query sees only the last sliding_window positions,
+    #                                    itself included (Mistral v0.1: 4096); None = all
     activation: str | None = None  # None = family default: gelu_new (gpt), silu (llama)
     bias: bool | None = None  # biases on linear layers; None = family default: True (gpt), False (llama)
     tie_embeddings: bool | None = None  # LM head shares the embedding; None = True (gpt), False (llama)
@@ -51,7 +68,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
     @property
     def ffn(self) -> int:
@@ -64,6 +81,10 @@ class ModelConfig:
     @property
     def use_bias(self) -> bool:
         return self.family == "gpt" if self.bias is None else self.bias
+
+    @property
+    def use_qkv_bias(self) -> bool:
+        return self.use_bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def tied(self) -> bool:
@@ -90,9 +111,10 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (embeddings, layers, final norm, untied LM head)."""
         h, f, v = self.hidden_size, self.ffn, self.vocab_size
-        kv = self.kv_heads * self.head_dim
+        q, kv = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         bias = self.use_bias
-        attn = h * (h + 2 * kv) + h * h + (h + 2 * kv + h) * bias
+        attn = (h + self.use_qkv_bias) * (q + 2 * kv) + q * h + h * bias
+        attn += 2 * self.head_dim * self.qk_norm  # one q and one k norm, shared by the heads
         if self.family == "gpt":
             mlp, norms = 2 * h * f + (f + h) * bias, 4 * h
         else:

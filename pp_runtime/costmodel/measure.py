@@ -40,11 +40,11 @@ from pp_runtime.core.batch import MicroBatch, SeqChunk, slot_blocks
 from pp_runtime.config import Config
 from pp_runtime.worker.device import resolve_device, torch_dtype
 from pp_runtime.core.errors import ConfigError
-from pp_runtime.model.attention import BatchLayout, decode_attention, prefill_attention, rope
+from pp_runtime.model.attention import BatchLayout, decode_attention, prefill_attention
 from pp_runtime.model.cpu_kernels import (PackedLinear, can_prepack, prepack_linears,
                                           use_decode_kernel, use_prepack)
 from pp_runtime.model.kv_cache import KVCache, heads_major
-from pp_runtime.model.transformer import DecoderLayer, StageModel
+from pp_runtime.model.transformer import DecoderLayer, Rotary, StageModel
 from pp_runtime.parallel.layers import LocalShard
 from pp_runtime.costmodel.p2p import measure_send_recv
 from pp_runtime.telemetry.timer import Op, Timer, device_timer
@@ -178,14 +178,6 @@ def _flat_batch(num_tokens: int, seq_len: int, block_size: int) -> MicroBatch:
                                for i, n in enumerate(sizes)))
 
 
-def _mlp_act(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
-    """The activation step of `DecoderLayer.forward` (inline there, so repeated here)."""
-    if layer.family == "llama":
-        gate, up = h.chunk(2, dim=-1)  # [T, ffn / tp] each
-        return layer.act(gate) * up
-    return layer.act(h)
-
-
 def _layer_ops(model: StageModel, head: nn.Module, n: int, seq_len: int) -> dict[str, Callable | None]:
     """One call per MLP_OPS entry on inputs of n tokens made beforehand (None: not run);
     each call of an op runs on the next layer of the stack."""
@@ -202,11 +194,11 @@ def _layer_ops(model: StageModel, head: nn.Module, n: int, seq_len: int) -> dict
     k = qkv[:, q_dim:q_dim + kv_dim].view(-1, layer.kv_heads, layer.head_dim)
     attn = torch.randn(n, q_dim, dtype=w.dtype, device=w.device)  # [n, heads / tp * head_dim]
     up = layer.fc1(x)  # [n, ffn / tp] or [n, 2 * ffn / tp] (gate, up)
-    act = _mlp_act(layer, up)  # [n, ffn / tp]
+    act = layer.mlp_act(up)  # [n, ffn / tp]
     rope_op = None
-    if layer.family == "llama":  # tables are built once per micro-batch, not per layer
-        cos, sin = layout.rope_tables(layer.rope_theta, layer.head_dim, q.dtype)
-        rope_op = lambda: (rope(q, cos, sin), rope(k, cos, sin))  # noqa: E731
+    if isinstance(layer.rotary, Rotary):  # tables are built once per micro-batch, not per layer
+        layer.rotary(q, k, layout)
+        rope_op = lambda: layer.rotary(q, k, layout)  # noqa: E731
     return {"emb": lambda: model.embed_tokens(ids, layout),
             "input_layernorm": lambda: nxt().attn_norm(x),
             "attn_pre_proj": lambda: nxt().qkv(x),
@@ -214,7 +206,7 @@ def _layer_ops(model: StageModel, head: nn.Module, n: int, seq_len: int) -> dict
             "attn_post_proj": lambda: nxt().out(attn),
             "post_attention_layernorm": lambda: nxt().mlp_norm(x),
             "mlp_up_proj": lambda: nxt().fc1(x),
-            "mlp_act": lambda: _mlp_act(layer, up),
+            "mlp_act": lambda: layer.mlp_act(up),
             "mlp_down_proj": lambda: nxt().fc2(act),
             "add": lambda: x + y,
             "lm_head": lambda: head(x)}

@@ -43,10 +43,11 @@ class LLM:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **overrides) -> "LLM":
-        """Load a Hugging Face-format checkpoint directory (GPT-2 or LLaMA family). Its
+        """Load a Hugging Face-format checkpoint directory (GPT-2, LLaMA, Qwen2, Qwen3 or Mistral). Its
         dtype is "auto": the checkpoint's (config.json's torch_dtype) on a GPU, float32 on
         a CPU (`ModelConfig.dtype_for`); `dtype="float16"` etc. overrides."""
-        model = model_config_from_hf(read_hf_config(path), name=Path(path).name)
+        model = model_config_from_hf(read_hf_config(path), name=Path(path).name,
+                                     where=f"{path}/config.json")
         return cls(Config(model=model), checkpoint=path, **overrides)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],

@@ -15,6 +15,11 @@ cache (block table[p // block_size], offset p % block_size); every layer reuses 
   worker has it); on CUDA (fp16/bf16) the decodes' keys are gathered once per layer into
   a varlen batch for one FlashAttention-2 call; elsewhere one SDPA call per decode on its
   gathered keys.
+- A sliding window W (Mistral; `window`, fixed per layer) keeps query p on keys
+  (p - W, p]: a prefill chunk that reaches past W gets that band as its mask and only the
+  keys it can see; a decode past W reads its last W keys (varlen: rows and lengths cut to
+  the window; a CPU micro-batch with such a decode takes the per-decode views, since the
+  C++ kernel reads every key from position 0).
 
 `attention_paths()` counts the calls per path, so a check can see which kernels ran.
 """
@@ -29,12 +34,13 @@ from torch.nn.attention.bias import causal_lower_right
 
 from pp_runtime.core.batch import MicroBatch
 from pp_runtime.model.cpu_kernels import decode_attention_cpu
+from pp_runtime.model.rope import Rope, rope  # noqa: F401  (rope: for the profiler)
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what FlashAttention's CUDA kernels take
 
 # calls per path since import: prefill one per span and layer, decode_views one per decode
 # and layer, decode_varlen and decode_cpu one per layer; a dict increment, cheap on the hot path
-_path_calls = {"prefill_causal": 0, "prefill_lower_right": 0, "decode_views": 0,
+_path_calls = {"prefill_causal": 0, "prefill_lower_right": 0, "prefill_window": 0, "decode_views": 0,
                "decode_varlen": 0, "decode_cpu": 0}
 
 
@@ -56,6 +62,7 @@ class BatchLayout:
     """Per micro-batch index tensors, built once and shared by every layer."""
 
     positions: torch.Tensor  # [num_tokens] position of every row
+    seq_ends: torch.Tensor  # [num_tokens] kv_len of each row's sequence (dynamic RoPE)
     write_blocks: torch.Tensor  # [num_tokens] the block each row's K and V go to
     write_offsets: torch.Tensor  # [num_tokens] the offset in that block
     prefills: list[PrefillSpan]
@@ -69,36 +76,47 @@ class BatchLayout:
     cpu_decode: bool = False  # decodes through the CPU kernel (the worker has it built)
     _cache: dict = field(default_factory=dict)  # per-micro-batch tables built on first use
 
-    def rope_tables(self, theta: float, head_dim: int, dtype: torch.dtype):
+    def rope_tables(self, spec: Rope, dtype: torch.dtype):
         """cos, sin [T, 1, head_dim] for every row; computed once per micro-batch and
         shared by every layer (and by q and k)."""
-        key = ("rope", theta, head_dim, dtype)
+        key = ("rope", spec, dtype)
         if key not in self._cache:
-            device = self.positions.device
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
-                                                     dtype=torch.float32) / head_dim))
-            freqs = self.positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
-            self._cache[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+            self._cache[key] = spec.tables(self.positions, self.seq_ends, dtype)
         return self._cache[key]
 
-    def decode_key_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_key_rows(self, window: int | None = None):
         """Rows of every decode's keys in the cache flattened to [blocks * block_size, ...],
-        decode after decode, and the int32 offsets [D + 1] of each decode's first row."""
-        if "rows" not in self._cache:
+        decode after decode (its last `window` keys with a window), the int32 offsets
+        [D + 1] of each decode's first row, and the int32 keys per decode [D]."""
+        key = ("rows", window)
+        if key not in self._cache:
             bs, rows, cu = self.block_size, [], [0]
             for blocks, n in zip(self.decode_block_lists, self.decode_lens):
-                rows.extend(blocks[j // bs] * bs + j % bs for j in range(n))
+                first = max(0, n - window) if window else 0
+                rows.extend(blocks[j // bs] * bs + j % bs for j in range(first, n))
                 cu.append(len(rows))
             device = self.positions.device
-            self._cache["rows"] = (torch.tensor(rows, dtype=torch.long, device=device),
-                                   torch.tensor(cu, dtype=torch.int32, device=device))
-        return self._cache["rows"]
+            used = [b - a for a, b in zip(cu, cu[1:])]
+            self._cache[key] = (torch.tensor(rows, dtype=torch.long, device=device),
+                                torch.tensor(cu, dtype=torch.int32, device=device),
+                                torch.tensor(used, dtype=torch.int32, device=device))
+        return self._cache[key]
+
+    def window_mask(self, span: PrefillSpan, n: int, window: int) -> tuple[int, torch.Tensor]:
+        """(first key, mask [n, kv_len - first]) of a chunk whose queries reach past the
+        window: query i (position start + i) sees keys (start + i - window, start + i]."""
+        key = ("window", span.start, n, window)
+        if key not in self._cache:
+            first = max(0, span.start + 1 - window)  # no query sees a key before this one
+            q = torch.arange(span.start, span.start + n, device=self.positions.device)[:, None]
+            k = torch.arange(first, span.start + n, device=self.positions.device)[None, :]
+            self._cache[key] = (first, (k <= q) & (k > q - window))  # [n, kv_len - first]
+        return self._cache[key]
 
     @classmethod
     def build(cls, mb: MicroBatch, device: torch.device, block_size: int,
               cpu_decode: bool = False) -> "BatchLayout":
-        positions, wb, wo, prefills, sample_rows, decodes = [], [], [], [], [], []
+        positions, ends, wb, wo, prefills, sample_rows, decodes = [], [], [], [], [], [], []
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
         row, bs = 0, block_size
@@ -107,6 +125,7 @@ class BatchLayout:
             used = blocks[:-(-s.kv_len // bs)]  # the blocks of positions [0, kv_len)
             pos = range(s.start, s.start + n)
             positions.extend(pos)
+            ends.extend([s.kv_len] * n)
             wb.extend(blocks[p // bs] for p in pos)
             wo.extend(p % bs for p in pos)
             if s.is_decode:
@@ -118,7 +137,7 @@ class BatchLayout:
                 sample_rows.append(row - 1)
         width = max((len(t) for _, _, t in decodes), default=0)
         tables = [t + [0] * (width - len(t)) for _, _, t in decodes]
-        return cls(as_long(positions), as_long(wb), as_long(wo), prefills,
+        return cls(as_long(positions), as_long(ends), as_long(wb), as_long(wo), prefills,
                    as_long([r for r, _, _ in decodes]), as_int([n for _, n, _ in decodes]),
                    as_int(tables).reshape(len(decodes), width), as_long(sample_rows),
                    [t for _, _, t in decodes], [n for _, n, _ in decodes], bs, cpu_decode)
@@ -132,20 +151,27 @@ def gather_kv(cache: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      span: PrefillSpan) -> torch.Tensor:
+                      span: PrefillSpan, layout: BatchLayout | None = None,
+                      window: int | None = None) -> torch.Tensor:
     """q: [n, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim] (this
     chunk already written). Returns [n, heads, head_dim].
 
     Query i sits at position start + i and sees keys [0, start + i]. In the [n, start + n]
     score matrix that is the causal triangle anchored at the bottom-right corner
     (`causal_lower_right`); for the first chunk (start = 0) it is plain `is_causal`. GQA:
-    `enable_gqa` maps each KV head to its query heads, no copy."""
+    `enable_gqa` maps each KV head to its query heads, no copy. With a `window` the chunk
+    reaches past, the band mask of `layout.window_mask` over the keys it can see."""
     n = q.shape[0]
     kv_len = span.start + n
     qh = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]
     k = gather_kv(k_cache, span.blocks, kv_len)  # [1, kv_heads, kv_len, head_dim]
     v = gather_kv(v_cache, span.blocks, kv_len)
-    if span.start == 0:
+    if window is not None and kv_len > window:
+        _path_calls["prefill_window"] += 1
+        first, mask = layout.window_mask(span, n, window)  # mask: [n, kv_len - first]
+        o = F.scaled_dot_product_attention(qh, k[:, :, first:], v[:, :, first:], attn_mask=mask,
+                                           enable_gqa=True)
+    elif span.start == 0:
         _path_calls["prefill_causal"] += 1
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
     else:
@@ -174,12 +200,15 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
                                                    False, False, seqused_k=seqused_k)[0]
 
 
-def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, layout: BatchLayout) -> str:
+def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, layout: BatchLayout,
+                  window: int | None = None) -> str:
     """The decode path: "cpu" (one call of our C++ kernel) where the layout says the worker
-    has it; "varlen" (one FlashAttention-2 call over the gathered keys) for CUDA fp16/bf16,
-    a head_dim it takes (a multiple of 8 up to 256) and a cache in "tokens" order (it
-    gathers rows of the flattened cache; kv_cache.py); else "views"."""
-    if layout.cpu_decode and q.dtype in (torch.float32, torch.bfloat16):
+    has it and no decode reaches past a `window`; "varlen" (one FlashAttention-2 call over
+    the gathered keys) for CUDA fp16/bf16, a head_dim it takes (a multiple of 8 up to 256)
+    and a cache in "tokens" order (it gathers rows of the flattened cache; kv_cache.py);
+    else "views"."""
+    within = window is None or max(layout.decode_lens) <= window
+    if layout.cpu_decode and q.dtype in (torch.float32, torch.bfloat16) and within:
         return "cpu"
     head_dim = q.shape[-1]
     if (q.is_cuda and q.dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
@@ -189,14 +218,14 @@ def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, layout: BatchLayout) -
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     layout: BatchLayout) -> torch.Tensor:
-    """Every decode of the micro-batch over the first kv_len keys of its block table.
-    q: [D, heads, head_dim], decodes in micro-batch order; caches: [num_blocks,
-    block_size, kv_heads, head_dim]. Returns [D, heads, head_dim].
+                     layout: BatchLayout, window: int | None = None) -> torch.Tensor:
+    """Every decode of the micro-batch over the first kv_len keys of its block table (the
+    last `window` of them with a window). q: [D, heads, head_dim], decodes in micro-batch
+    order; caches: [num_blocks, block_size, kv_heads, head_dim]. Returns [D, heads, head_dim].
 
     "varlen": the keys of all decodes gathered, decode after decode, into one
-    [sum(kv_len), kv_heads, head_dim] varlen key batch (`decode_key_rows`)."""
-    kernel = decode_kernel(q, k_cache, layout)
+    [sum(keys read), kv_heads, head_dim] varlen key batch (`decode_key_rows`)."""
+    kernel = decode_kernel(q, k_cache, layout, window)
     if kernel == "cpu":
         _path_calls["decode_cpu"] += 1
         return decode_attention_cpu(q, k_cache, v_cache, layout.decode_tables,
@@ -204,25 +233,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if kernel == "varlen":
         _path_calls["decode_varlen"] += 1
         kv_heads, head_dim = k_cache.shape[2:]
-        rows, cu_k = layout.decode_key_rows()
-        k = k_cache.view(-1, kv_heads, head_dim).index_select(0, rows)  # [sum(kv_len), kv_heads, head_dim]
+        rows, cu_k, used = layout.decode_key_rows(window)
+        k = k_cache.view(-1, kv_heads, head_dim).index_select(0, rows)  # [sum(used), kv_heads, head_dim]
         v = v_cache.view(-1, kv_heads, head_dim).index_select(0, rows)
         cu_q = torch.arange(len(layout.decode_lens) + 1, dtype=torch.int32, device=q.device)
-        return flash_varlen(q, k, v, cu_q, cu_k, 1, max(layout.decode_lens),
-                            layout.decode_seqlens)
-    return decode_attention_views(q, k_cache, v_cache, layout)
+        max_k = max(min(n, window or n) for n in layout.decode_lens)
+        return flash_varlen(q, k, v, cu_q, cu_k, 1, max_k, used)
+    return decode_attention_views(q, k_cache, v_cache, layout, window)
 
 
 def decode_attention_views(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           layout: BatchLayout) -> torch.Tensor:
-    """One SDPA call per decode on its gathered keys (no mask, so the fused kernels take it).
-    q: [D, heads, head_dim]. Returns [D, heads, head_dim]."""
+                           layout: BatchLayout, window: int | None = None) -> torch.Tensor:
+    """One SDPA call per decode on its gathered keys (no mask, so the fused kernels take it;
+    with a window, its last `window` keys). q: [D, heads, head_dim]. Returns [D, heads, head_dim]."""
     out = torch.empty_like(q)
     device = k_cache.device
     for i, (blocks, n) in enumerate(zip(layout.decode_block_lists, layout.decode_lens)):
         table = torch.tensor(blocks, dtype=torch.long, device=device)
-        k = gather_kv(k_cache, table, n)  # [1, kv_heads, n, head_dim]
-        v = gather_kv(v_cache, table, n)
+        first = max(0, n - window) if window else 0
+        k = gather_kv(k_cache, table, n)[:, :, first:]  # [1, kv_heads, n - first, head_dim]
+        v = gather_kv(v_cache, table, n)[:, :, first:]
         qi = q[i][None, :, None, :]  # [1, heads, 1, head_dim]
         out[i] = F.scaled_dot_product_attention(qi, k, v, enable_gqa=True)[0, :, 0, :]
     _path_calls["decode_views"] += len(layout.decode_lens)
@@ -231,24 +261,17 @@ def decode_attention_views(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     layout: BatchLayout) -> torch.Tensor:
+                     layout: BatchLayout, window: int | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] for every row of the batch.
-    Writes k, v into their blocks, then attends. Returns [T, heads, head_dim]."""
+    Writes k, v into their blocks, then attends (each query to its last `window`
+    positions with a window). Returns [T, heads, head_dim]."""
     k_cache[layout.write_blocks, layout.write_offsets] = k.to(k_cache.dtype)
     v_cache[layout.write_blocks, layout.write_offsets] = v.to(v_cache.dtype)
     out = torch.empty_like(q)
     for span in layout.prefills:
-        out[span.rows] = prefill_attention(q[span.rows], k_cache, v_cache, span)
+        out[span.rows] = prefill_attention(q[span.rows], k_cache, v_cache, span, layout, window)
     if layout.decode_lens:
         rows = layout.decode_rows
-        out[rows] = decode_attention(q[rows], k_cache, v_cache, layout)
+        out[rows] = decode_attention(q[rows], k_cache, v_cache, layout, window)
     return out
 
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, Hugging Face LLaMA convention (rotate halves).
-    x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim] from `BatchLayout.rope_tables`."""
-    d = x.shape[-1]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin

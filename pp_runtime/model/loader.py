@@ -1,7 +1,7 @@
 """Hugging Face-format checkpoints: `config.json` + `*.safetensors` or `pytorch_model*.bin`.
 
-`model_config_from_hf` maps a GPT-2 or LLaMA `config.json` to our `ModelConfig`;
-`load_stage_weights` fills one `StageModel` and reads only the tensors that stage needs, and
+`model_config_from_hf` (`hf_config.py`, re-exported here) maps a `config.json` to our
+`ModelConfig`; `load_stage_weights` fills one `StageModel` and reads only the tensors that stage needs, and
 of each only the slices its tp rank holds (safetensors files are memory-mapped and read
 slice by slice), copied straight into the parameters. Every tensor's shape is checked
 against the config before it is read, and a mismatch names the tensor, both shapes and the
@@ -9,122 +9,17 @@ config field. The model config gets dtype "auto" and the checkpoint's own dtype.
 """
 from __future__ import annotations
 
-import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from pp_runtime.config import (AUTO_DTYPE, DTYPES, CheckpointError, ConfigError,  # noqa: F401
-                               ModelConfig)
+from pp_runtime.config import CheckpointError, ConfigError, ModelConfig  # noqa: F401
+from pp_runtime.model.hf_config import (checkpoint_dtype, model_config_from_hf,  # noqa: F401
+                                        read_hf_config)
 from pp_runtime.model.transformer import StageModel
 from pp_runtime.parallel.layers import shard_of
-
-
-def read_hf_config(path: str | Path) -> dict:
-    """config.json of a checkpoint directory; CheckpointError naming the file when it is
-    missing, not JSON, or not an object."""
-    cfg_file = Path(path) / "config.json"
-    if not Path(path).is_dir():
-        raise CheckpointError(f"{path}: not a directory; expected a Hugging Face-format "
-                              "checkpoint directory (config.json + *.safetensors)")
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path}: no config.json; expected a Hugging Face-format directory")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({exc})") from exc
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
-    _check_sizes(hf, cfg_file)
-    return hf
-
-
-def _check_sizes(hf: dict, where: object) -> None:
-    """The sizes a gpt2 or llama config.json must have, as ints >= 1 (CheckpointError)."""
-    needed = REQUIRED_KEYS.get(hf.get("model_type"), ())
-    missing = [k for k in needed if k not in hf]
-    if missing:
-        raise CheckpointError(f"{where}: no {', '.join(missing)} (a {hf['model_type']} "
-                              f"config needs {', '.join(needed)})")
-    bad = [f"{k}={hf[k]!r}" for k in needed
-           if not isinstance(hf[k], int) or isinstance(hf[k], bool) or hf[k] < 1]
-    if bad:
-        raise CheckpointError(f"{where}: {', '.join(bad)}: sizes must be ints >= 1")
-
-
-def _first(value):
-    return value[0] if isinstance(value, list) else value
-
-
-def _eos(hf: dict, vocab_size: int, name: str) -> int | None:
-    """The first EOS id; one outside the vocabulary (random test configs) is dropped."""
-    eos = _first(hf.get("eos_token_id"))
-    if eos is not None and not 0 <= eos < vocab_size:
-        warnings.warn(f"{name}: eos_token_id {eos} is outside the vocabulary [0, {vocab_size}); "
-                      "generation will stop on max_tokens only", stacklevel=3)
-        return None
-    return eos
-
-
-def checkpoint_dtype(hf: dict) -> str | None:
-    """The dtype the checkpoint was saved in: config.json's `torch_dtype` (transformers < 5)
-    or `dtype` (transformers >= 5), e.g. "bfloat16" or "torch.float16"; None when absent,
-    "auto", or not one we serve in (float64, float8 ...)."""
-    value = hf.get("dtype") or hf.get("torch_dtype")
-    name = str(value).removeprefix("torch.") if value else None
-    return name if name in DTYPES else None
-
-
-REQUIRED_KEYS = {"gpt2": ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"),
-                 "llama": ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                           "intermediate_size", "vocab_size", "max_position_embeddings")}
-
-
-def model_config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
-    """Our `ModelConfig` for a GPT-2 or LLaMA `config.json`, with dtype "auto": the
-    checkpoint's dtype on a GPU, float32 on a CPU (`ModelConfig.dtype_for`). A missing or
-    non-integer size names the key (CheckpointError)."""
-    _check_sizes(hf, f"{name}/config.json")
-    dtypes = dict(dtype=AUTO_DTYPE, checkpoint_dtype=checkpoint_dtype(hf))
-    kind = hf.get("model_type")
-    if kind == "gpt2":
-        return ModelConfig(
-            name=name, family="gpt", num_layers=hf["n_layer"], hidden_size=hf["n_embd"],
-            num_heads=hf["n_head"], ffn_size=hf.get("n_inner") or 4 * hf["n_embd"],
-            vocab_size=hf["vocab_size"], max_positions=hf["n_positions"],
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            activation=hf.get("activation_function", "gelu_new"), bias=True,
-            tie_embeddings=hf.get("tie_word_embeddings", True),
-            eos_token_id=_eos(hf, hf["vocab_size"], name), **dtypes,
-        )
-    if kind == "llama":
-        rope_params = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling") or {}
-        rope_type = rope_params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-        if rope_type not in (None, "default"):
-            raise ConfigError(f"{name}: rope type {rope_type!r} is not supported (only default RoPE)")
-        head_dim = hf.get("head_dim")
-        if head_dim and head_dim != hf["hidden_size"] // hf["num_attention_heads"]:
-            raise ConfigError(f"{name}: head_dim {head_dim} != hidden_size / num_attention_heads "
-                              "is not supported")
-        if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-            raise ConfigError(f"{name}: attention_bias and mlp_bias must agree")
-        return ModelConfig(
-            name=name, family="llama", num_layers=hf["num_hidden_layers"],
-            hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            ffn_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-            max_positions=hf["max_position_embeddings"], norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            activation=hf.get("hidden_act", "silu"), bias=bool(hf.get("attention_bias", False)),
-            tie_embeddings=hf.get("tie_word_embeddings", False),
-            eos_token_id=_eos(hf, hf["vocab_size"], name), **dtypes,
-        )
-    raise ConfigError(f"model.family: unknown model family {kind!r} in {name}/config.json; "
-                      "supported model_type values: gpt2, llama")
 
 
 @dataclass(frozen=True)
@@ -277,8 +172,10 @@ def _gpt_sources(m: ModelConfig, r: TensorReader) -> dict[str, tuple[Piece, ...]
 
 
 def _llama_sources(m: ModelConfig, r: TensorReader) -> dict[str, tuple[Piece, ...]]:
-    """Our parameter name -> its pieces in a LLaMA checkpoint."""
-    h, f, kv = m.hidden_size, m.ffn, m.kv_heads * m.head_dim
+    """Our parameter name -> its pieces in a LLaMA, Qwen2/3 or Mistral checkpoint (one
+    naming); biases only where the config has them, Qwen3's q/k norms where it has them."""
+    h, f = m.hidden_size, m.ffn
+    q, kv = m.num_heads * m.head_dim, m.kv_heads * m.head_dim
     hint = "hidden_size, num_heads, num_kv_heads, ffn_size"
     embed = Piece("model.embed_tokens.weight", (m.vocab_size, h), "vocab_size")
     src = {
@@ -287,10 +184,10 @@ def _llama_sources(m: ModelConfig, r: TensorReader) -> dict[str, tuple[Piece, ..
         "lm_head.weight": (embed if m.tied else Piece("lm_head.weight", (m.vocab_size, h),
                                                       "vocab_size"),),
     }
-    parts = {"qkv": [("self_attn.q_proj", h), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
+    parts = {"qkv": [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
              "out": [("self_attn.o_proj", h)],
              "fc1": [("mlp.gate_proj", f), ("mlp.up_proj", f)], "fc2": [("mlp.down_proj", h)]}
-    n_in = {"qkv": h, "out": h, "fc1": h, "fc2": f}
+    n_in = {"qkv": h, "out": q, "fc1": h, "fc2": f}
     for i in range(m.num_layers):
         p = f"model.layers.{i}."
         src[f"layers.{i}.attn_norm.weight"] = (Piece(f"{p}input_layernorm.weight", (h,), hint),)
@@ -299,8 +196,13 @@ def _llama_sources(m: ModelConfig, r: TensorReader) -> dict[str, tuple[Piece, ..
         for ours, pieces in parts.items():  # fused: rows of q, k, v (or gate, up) stacked
             src[f"layers.{i}.{ours}.weight"] = tuple(
                 Piece(f"{p}{name}.weight", (rows, n_in[ours]), hint) for name, rows in pieces)
-            src[f"layers.{i}.{ours}.bias"] = tuple(
-                Piece(f"{p}{name}.bias", (rows,), hint) for name, rows in pieces)
+            if m.use_qkv_bias if ours == "qkv" else m.use_bias:
+                src[f"layers.{i}.{ours}.bias"] = tuple(
+                    Piece(f"{p}{name}.bias", (rows,), hint) for name, rows in pieces)
+        if m.qk_norm:
+            for ours in ("q_norm", "k_norm"):
+                src[f"layers.{i}.{ours}.weight"] = (
+                    Piece(f"{p}self_attn.{ours}.weight", (m.head_dim,), "head_dim"),)
     return src
 
 
@@ -316,7 +218,7 @@ def check_checkpoint(path: str | Path, m: ModelConfig) -> None:
     sources = (_gpt_sources if m.family == "gpt" else _llama_sources)(m, reader)
     for pieces in sources.values():
         for piece in pieces:
-            if piece.name.endswith(".bias") and not m.use_bias:
+            if piece.name.endswith(".bias") and not m.use_bias and m.family == "gpt":
                 continue
             reader.shape_of(piece)
 

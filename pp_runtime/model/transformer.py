@@ -5,7 +5,13 @@ for GPT, position) embedding, the last owns the final norm and the LM head. Two 
 share one layer:
 
 - gpt:   learned positions, LayerNorm, GELU MLP, biases (GPT-2, GPT-3)
-- llama: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases
+- llama: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases; with the model
+  config's fields also LLaMA-3.x (RoPE scaling: `rope.py`), Qwen2/2.5 (bias on q, k, v
+  alone), Qwen3 (RMSNorm over each query and key head, `head_size`) and Mistral (a
+  sliding window, `attention.py`)
+
+What differs is chosen when a layer is built (its norms, rotary, MLP activation and
+window are modules or fields), so `DecoderLayer.forward` is one path for every family.
 
 Every linear layer runs once over all rows of a micro-batch (decode-maximal batching);
 only attention looks at sequence boundaries (see attention.py).
@@ -30,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pp_runtime.config import ModelConfig
-from pp_runtime.model.attention import BatchLayout, hybrid_attention, rope
+from pp_runtime.model.attention import BatchLayout, hybrid_attention
+from pp_runtime.model.rope import Rope, rope
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.parallel.layers import Parallel, Unsharded, shard_of
 
@@ -61,44 +68,80 @@ ACTIVATIONS = {
 }
 
 
+class Rotary(nn.Module):
+    """RoPE on q and k at the micro-batch's positions (llama family); no parameters."""
+
+    def __init__(self, spec: Rope):
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, layout: BatchLayout):
+        cos, sin = layout.rope_tables(self.spec, q.dtype)  # [T, 1, head_dim]
+        return rope(q, cos, sin), rope(k, cos, sin)
+
+
+class NoRotary(nn.Module):
+    """gpt: positions were added to the embeddings on stage 0."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, layout: BatchLayout):
+        return q, k
+
+
+class Gated(nn.Module):
+    """SwiGLU's act(gate) * up over fc1's [gate | up] output (llama family)."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)  # [T, ffn / tp] each
+        return self.act(gate) * up
+
+
+class Plain(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.act(h)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, m: ModelConfig, par: Parallel):
         super().__init__()
-        self.family, self.rope_theta = m.family, m.rope_theta
+        llama = m.family == "llama"
         # this rank's heads; the layers below take the FULL widths and cut them
         self.heads, self.kv_heads = m.num_heads // par.tp, m.kv_heads // par.tp
-        self.head_dim = m.head_dim
+        self.head_dim, self.window = m.head_dim, m.sliding_window
         h, q, kv, ffn = m.hidden_size, m.num_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn
-        up_parts = (ffn, ffn) if m.family == "llama" else (ffn,)  # llama: gate | up
+        up_parts = (ffn, ffn) if llama else (ffn,)  # llama: gate | up
         self.attn_norm = make_norm(m)
         # rank r's rows are [q_r; k_r; v_r]: its query heads and its KV-cache heads line up
-        self.qkv = par.column(h, q + 2 * kv, m.use_bias, parts=(q, kv, kv))
+        self.qkv = par.column(h, q + 2 * kv, m.use_qkv_bias, parts=(q, kv, kv))
+        qk_norm = (lambda: RMSNorm(m.head_dim, m.norm_eps)) if m.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = qk_norm(), qk_norm()  # per head, whole on every rank
+        self.rotary = Rotary(Rope.of(m)) if llama else NoRotary()
         self.out = par.row(q, h, m.use_bias)
         self.mlp_norm = make_norm(m)
         self.fc1 = par.column(h, sum(up_parts), m.use_bias, parts=up_parts)
         self.fc2 = par.row(ffn, h, m.use_bias)
-        self.act = ACTIVATIONS[m.act]
+        self.mlp_act = (Gated if llama else Plain)(ACTIVATIONS[m.act])
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 layout: BatchLayout) -> torch.Tensor:
         # x: [T, hidden], T = every token of the micro-batch; q_dim, kv_dim: this rank's
         q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qkv = self.qkv(self.attn_norm(x))  # [T, q_dim + 2 * kv_dim]
-        q = qkv[:, :q_dim].view(-1, self.heads, self.head_dim)  # [T, heads, head_dim]
-        k = qkv[:, q_dim:q_dim + kv_dim].view(-1, self.kv_heads, self.head_dim)
+        q = self.q_norm(qkv[:, :q_dim].view(-1, self.heads, self.head_dim))  # [T, heads, head_dim]
+        k = self.k_norm(qkv[:, q_dim:q_dim + kv_dim].view(-1, self.kv_heads, self.head_dim))
         v = qkv[:, q_dim + kv_dim:].view(-1, self.kv_heads, self.head_dim)
-        if self.family == "llama":
-            cos, sin = layout.rope_tables(self.rope_theta, self.head_dim, q.dtype)
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
-        attn = hybrid_attention(q, k, v, k_cache, v_cache, layout)  # [T, heads, head_dim]
+        q, k = self.rotary(q, k, layout)
+        attn = hybrid_attention(q, k, v, k_cache, v_cache, layout, self.window)  # [T, heads, head_dim]
         x = x + self.out(attn.reshape(-1, q_dim))
         h = self.fc1(self.mlp_norm(x))  # [T, ffn / tp] or [T, 2 * ffn / tp] (gate, up)
-        if self.family == "llama":
-            gate, up = h.chunk(2, dim=-1)
-            h = self.act(gate) * up
-        else:
-            h = self.act(h)
-        return x + self.fc2(h)
+        return x + self.fc2(self.mlp_act(h))  # mlp_act: [T, ffn / tp]
 
 
 class StageModel(nn.Module):

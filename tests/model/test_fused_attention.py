@@ -159,7 +159,7 @@ def test_varlen_decode_call_equals_views(hf_checkpoint, monkeypatch):
             for s, slot in slot_of.items()] + [SeqChunk(0, 5, 0, tuple(p[0][:9]), None)]
     views = run(worker, seqs)
     monkeypatch.setattr(attention, "flash_varlen", reference_flash_varlen)
-    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout: "varlen")
+    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout, window=None: "varlen")
     before = attention_paths()
     varlen = run(worker, seqs)
     assert calls_since(before) == {"prefill_causal": LAYERS, "decode_varlen": LAYERS}
@@ -201,7 +201,7 @@ def test_cuda_hybrid_batch_runs_on_flash(hf_checkpoint, dtype, monkeypatch):
     with sdpa_kernel(FLASH_ONLY):
         fused, calls = hybrid_run(make_worker(path, "cuda", dtype), p)
     assert calls == {"prefill_lower_right": LAYERS, "decode_varlen": LAYERS}
-    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout: "views")
+    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout, window=None: "views")
     with sdpa_kernel(SDPBackend.MATH):
         unfused, _ = hybrid_run(make_worker(path, "cuda", dtype), p)
     error = lambda x: float((x - ref).abs().max() / ref.abs().max())  # noqa: E731
@@ -232,11 +232,11 @@ def test_cuda_dense_mask_is_refused_by_flash_but_lower_right_is_not():
 
 
 @cuda
-@pytest.mark.parametrize("kv_heads", [8, 2])
-def test_cuda_varlen_decode_equals_per_decode_views(kv_heads):
+@pytest.mark.parametrize("kv_heads, window", [(8, None), (2, None), (2, 100)])
+def test_cuda_varlen_decode_equals_per_decode_views(kv_heads, window):
     """The real varlen kernel against one SDPA call per decode, on a cache of 1024 blocks
     of 16 with decodes whose tables are scattered over it (lengths 1 to 1000), with and
-    without GQA."""
+    without GQA, and with a sliding window of 100 (each decode's last 100 keys)."""
     from pp_runtime.model.attention import BatchLayout, decode_attention, decode_attention_views
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -250,7 +250,7 @@ def test_cuda_varlen_decode_equals_per_decode_views(kv_heads):
     layout = BatchLayout.build(mb, torch.device("cuda"), 16)
     q = torch.randn(7, 8, 64, generator=g, device="cuda", dtype=torch.float16)
     before = attention_paths()
-    got = decode_attention(q, k_cache, v_cache, layout)
+    got = decode_attention(q, k_cache, v_cache, layout, window)
     assert calls_since(before) == {"decode_varlen": 1}
-    want = decode_attention_views(q, k_cache, v_cache, layout)
+    want = decode_attention_views(q, k_cache, v_cache, layout, window)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
