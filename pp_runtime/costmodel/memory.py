@@ -76,13 +76,16 @@ def memory_plan(cfg: Config, device_memory_gb: float | None = None) -> MemoryPla
 # ---- exact, per stage ----------------------------------------------------------------------
 def stage_params(m: ModelConfig, tp: int, lo: int, hi: int) -> int:
     """Parameters of one tp rank of the stage holding layers [lo, hi), as `StageModel` builds
-    them: QKV, FFN-up and the vocabulary (padded to a multiple of tp) cut, norms, GPT's
-    position embedding and row-parallel biases whole."""
-    h, f, b = m.hidden_size, m.ffn, int(m.use_bias)
-    qkv = (m.num_heads + 2 * m.kv_heads) * m.head_dim
+    them: QKV (and its bias), FFN-up and the vocabulary (padded to a multiple of tp) cut;
+    norms (Qwen3's q/k norms too), GPT's position embedding and row-parallel biases whole."""
+    h, f, b, bq = m.hidden_size, m.ffn, int(m.use_bias), int(m.use_qkv_bias)
+    q = m.num_heads * m.head_dim  # the attention width (Qwen3: not hidden)
+    qkv = q + 2 * m.kv_heads * m.head_dim
     up = 2 * f if m.family == "llama" else f  # llama: gate | up
     norm = 2 * h if m.family == "gpt" else h  # LayerNorm has a bias
-    layer = ((h + b) * qkv + (h + b) * up) // tp + (h * h + f * h) // tp + 2 * b * h + 2 * norm
+    qk_norm = 2 * m.head_dim * m.qk_norm
+    layer = (((h + bq) * qkv + (h + b) * up) // tp + (q * h + f * h) // tp + 2 * b * h
+             + 2 * norm + qk_norm)
     vocab_rows = -(-m.vocab_size // tp)  # padded_vocab / tp
     first, last = lo == 0, hi == m.num_layers
     n = (hi - lo) * layer

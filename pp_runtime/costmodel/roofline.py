@@ -39,21 +39,22 @@ class LayerShape:
     vocab: int = 32000  # vocabulary (embedding and LM head)
     dtype_bytes: int = 2  # bytes per element
     rope: bool = True  # rotary embeddings (llama); GPT adds learned positions once instead
+    head_size: int = 0  # width of one head; 0 = n_embd / n_head (Qwen3-32B: 128, not 80)
 
     @classmethod
     def of(cls, m: ModelConfig, tp: int) -> "LayerShape":
         llama = m.family == "llama"
         return cls(m.hidden_size, m.num_heads, m.kv_heads, m.ffn, llama, tp, m.vocab_size,
-                   m.dtype_bytes, llama)
+                   m.dtype_bytes, llama, m.head_size or 0)
 
     @property
     def key(self) -> tuple:
         return (self.n_embd, self.n_head, self.n_kv_head, self.n_expanded_embd, self.gated,
-                self.tp)
+                self.tp) + ((self.head_size,) if self.head_size else ())
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
 
     @property
     def q_width(self) -> int:  # query (and attention output) width of one rank

@@ -50,6 +50,11 @@ def test_overrides_reach_every_section_and_keep_the_rest():
 @pytest.mark.parametrize("name, layers, hidden, heads, billions", [
     ("gpt3-175b", 96, 12288, 96, 175), ("llama-13b", 40, 5120, 40, 13),
     ("llama-33b", 60, 6656, 52, 32.5), ("gpt2-small", 12, 768, 12, 0.124),
+    # their model cards' counts: Qwen2.5's q/k/v biases and Qwen3's 128-wide heads and
+    # q/k norms included
+    ("llama3.1-8b", 32, 4096, 32, 8.03), ("llama3.1-70b", 80, 8192, 64, 70.55),
+    ("qwen2.5-72b", 80, 8192, 64, 72.71), ("qwen3-32b", 64, 5120, 64, 32.76),
+    ("mistral-7b", 32, 4096, 32, 7.24),
 ])
 def test_shipped_model_configs_have_the_papers_shapes(name, layers, hidden, heads, billions):
     m = load_model_config(name)
