@@ -78,6 +78,7 @@ class UniformPlanner(BasePlanner):
         self.predicted: dict[int, float] = {}  # mb_id -> predicted seconds
         self.clock = PipelineClock(cost_model, self.pp)
         self.last_token_s: dict[int, float] = {}  # request id -> when its last token came
+        self.returning: dict[int, int] = {}  # request id -> mb_id bringing its next token
 
     # ---- admission ---------------------------------------------------------------------
     def expected_len(self, r: Request) -> float:
@@ -169,21 +170,26 @@ class UniformPlanner(BasePlanner):
     def round_bound(self, now: float, decodes: list[int]) -> float:
         """The latest the next micro-batch may come back (TBT target; inf without): 0.95 x S
         after the last token of each ready decode, the ones it carries and the ones left to
-        the micro-batches behind it (which come back after it). The pipeline clock's
+        the micro-batches behind it (which come back after it), and after the predicted
+        return of each token on its way (that request's next decode follows this one). The pipeline clock's
         completion includes the wait behind every micro-batch in flight, so a heavy
         micro-batch ahead (a burst of prompts after a lull) leaves this one less room."""
         b = self.budget
         if b.tbt_slo_s is None:
             return INF
-        last = self.last_token_s
-        return min((last.get(rid, now) for rid in decodes), default=now) + b.tbt_slo_s * MARGIN
+        last, done = self.last_token_s, self.clock.done
+        first = min((last.get(rid, now) for rid in decodes), default=INF)
+        for mb_id in self.returning.values():  # tokens on their way: due again after return
+            t = done.get(mb_id, now)
+            first = t if t < first else first
+        return first + b.tbt_slo_s * MARGIN  # inf: no token is due
 
     def fill(self, now: float, kv: list[int], prefilling: list[Request],
              bound: float, even: int) -> list[SeqChunk]:
         """Prefill chunks beside decodes of these KV lengths, up to K tokens in all and, with
         a TBT target, while the micro-batch comes back by `bound`: the first prompt's next
-        chunk, then (packing) the next prompts'. With no decode aboard at least
-        `alone_chunk()` tokens, so prompts always move; beside decodes only what fits."""
+        chunk, then (packing) the next prompts'. With no token due anywhere at least
+        `alone_chunk()` tokens, so prompts always move; else only what fits."""
         chunks: list[tuple[int, int]] = []
         room = min(self.top - len(kv), even)
         out, tokens = [], len(kv)
@@ -191,10 +197,10 @@ class UniformPlanner(BasePlanner):
             start, left = req.num_scheduled, req.prefill_len - req.num_scheduled
             n = self.largest_chunk(now, chunks, kv, start, min(left, room), bound, tokens)
             if n < min(left, self.min_chunk):  # too little room for a useful chunk
-                if chunks or (kv and n <= 0):
+                if chunks or (n <= 0 and (kv or bound < INF)):
                     break
-                if not kv:  # alone: prompts always move (beside decodes: what fits)
-                    n = min(left, self.alone_chunk())
+                if bound == INF and not kv:  # alone, no token due: prompts always move
+                    n = min(left, self.alone_chunk())  # (else what fits, however small)
             chunks.append((start, n))
             out.append(self.prefill(req, n))
             room, tokens = room - n, tokens + n
@@ -234,6 +240,10 @@ class UniformPlanner(BasePlanner):
             self.predicted[mb.mb_id] = max(times)
             scaled = [t * self.budget.residual for t in times]
             self.clock.commit(mb.mb_id, self.clock.completion(now, scaled, mb.num_tokens))
+            if self.budget.tbt_slo_s is not None:
+                for s in mb.seqs:
+                    if s.sampling is not None:
+                        self.returning[s.request_id] = mb.mb_id
         return mb
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
@@ -241,9 +251,10 @@ class UniformPlanner(BasePlanner):
         self.clock.returned(mb.mb_id, now)
         if out.timings:  # the stage that took longest
             self.budget.observe(predicted, max(t.compute_s for t in out.timings))
-        last = self.last_token_s
+        last, returning = self.last_token_s, self.returning
         for rid in out.tokens:
             last[rid] = now
+            returning.pop(rid, None)
         finished = super().on_result(mb, out, now)
         for r in finished:
             last.pop(r.request_id, None)

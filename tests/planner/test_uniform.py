@@ -108,6 +108,19 @@ def test_beside_a_decode_the_chunk_is_what_fits_even_below_k_over_8():
     assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 114, False)]
 
 
+def test_a_token_on_its_way_bounds_the_prompt_chunk_ahead_of_its_next_decode():
+    """S = 30 ms, pp 2, 2 in flight. Request 0's prompt (100 tokens, 2 ms a stage) is in
+    flight: its first token is due back at 4 ms, its next one by 4 + 28.5 = 32.5 ms, and that
+    decode will follow the chunk composed now. The chunk alone would end at 5 ms (stage 0
+    free at 2 ms, 1 ms a stage); it takes a quarter of the 27.5 ms slack: 2 + 2 x (1 + 0.01 n)
+    <= 11.875 ms -> n = 393, not the 1792 tokens of the knee."""
+    p = toy(in_flight=2, tbt_slo_ms=30.0)
+    add(p, 0, 100, 50)
+    assert p.schedule(0.0).seqs[0].num_tokens == 100
+    add(p, 1, 5000, 4)
+    assert [(s.request_id, s.num_tokens) for s in p.schedule(0.0).seqs] == [(1, 393)]
+
+
 @pytest.mark.parametrize("prompt,rows", [(100, 218), (900, 26)])
 def test_rows_under_a_target_keep_pace_with_the_prompts_they_bring(prompt, rows):
     """S = 30 ms, 2 in flight: T = 0.95 x 30 / 2 = 14.25 ms. Requests of 100 output tokens
