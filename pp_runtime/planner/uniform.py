@@ -79,6 +79,7 @@ class UniformPlanner(BasePlanner):
         self.clock = PipelineClock(cost_model, self.pp)
         self.last_token_s: dict[int, float] = {}  # request id -> when its last token came
         self.returning: dict[int, int] = {}  # request id -> mb_id bringing its next token
+        self.urgent = 0  # prompt tokens this micro-batch needs for the queue's TTFT target
 
     # ---- admission ---------------------------------------------------------------------
     def expected_len(self, r: Request) -> float:
@@ -123,8 +124,8 @@ class UniformPlanner(BasePlanner):
         queue needs, if more)."""
         if not self.bounded:
             return INF
-        b, period, need = self.budget, self.budget.period_s, self.prefill_need(now)
-        share = lambda d: min(self.top, max(need, math.ceil(d * mix)))  # noqa: E731
+        b, period = self.budget, self.budget.period_s
+        share = lambda d: min(self.top, math.ceil(d * mix))  # noqa: E731
         fits = lambda d: b.time([(0, share(d))], [kv] * d) <= period  # noqa: E731
         return max(1, b.largest(fits, 4096)) * self.depth
 
@@ -164,6 +165,7 @@ class UniformPlanner(BasePlanner):
         bound = self.round_bound(now, [r.request_id for r in ready])
         if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
             even = max(self.min_chunk, -(-left // self.depth))
+            self.urgent = self.prefill_need(now)
             seqs += self.fill(now, kv, prefilling, bound, even)
         return seqs
 
@@ -225,10 +227,13 @@ class UniformPlanner(BasePlanner):
             return max(hi, 0)
         clock, scale = self.clock, self.budget.residual
         base = clock.completion(now, clock.times(chunks, kv, scale), tokens)[-1]
-        bound = base + max(0.0, bound - base) * SLACK_SHARE  # the round's slack, shared
-        return self.budget.largest(
+        fits = lambda share: b.largest(  # noqa: E731
             lambda n: clock.completion(now, clock.times([*chunks, (start, n)], kv, scale),
-                                       tokens + n)[-1] <= bound, hi)
+                                       tokens + n)[-1] <= base + max(0.0, bound - base) * share, hi)
+        n, need = fits(SLACK_SHARE), self.urgent - sum(c for _, c in chunks)
+        if n < min(hi, need):  # a share of the round's slack; the queue's TTFT needs more:
+            n = min(fits(1.0), need)  # up to all of it
+        return n
 
     # ---- feedback ----------------------------------------------------------------------
     def schedule(self, now: float = 0.0) -> MicroBatch | None:
