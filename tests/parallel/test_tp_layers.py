@@ -3,9 +3,10 @@ each builds the whole model cut in two with `TensorParallel` (Megatron-core's la
 runs a hybrid micro-batch (a later prefill chunk plus two decodes) through it.
 
 Every rank's logits equal the unsharded model's (and `transformers`'), for GPT-2 with a tied
-head and an odd vocabulary (padded), GPT-2 untied, and LLaMA with GQA (8 query heads over 2
-KV heads) and an odd vocabulary, from safetensors and from `pytorch_model.bin`; a last stage
-alone (its tied head read from `wte`) too. Random init gives each rank exactly its slice of
+head and an odd vocabulary (padded), GPT-2 untied, LLaMA with GQA (8 query heads over 2
+KV heads) and an odd vocabulary, from safetensors and from `pytorch_model.bin`, and Qwen2
+(q/k/v biases cut with their rows, tied, odd vocabulary); a last stage alone (its tied head
+read from `wte`) too. Random init gives each rank exactly its slice of
 the unsharded weights. Each rank reads from the safetensors files exactly the elements it
 holds. The processes are spawned once for the whole module and always reaped.
 """
@@ -225,7 +226,8 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[object, Path]]:
 
     models = {"gpt-tied-301": hf_model("gpt", vocab_size=301),
               "gpt-untied": hf_model("gpt", tie_word_embeddings=False),
-              "llama-gqa-301": hf_model("llama", vocab_size=301)}
+              "llama-gqa-301": hf_model("llama", vocab_size=301),
+              "qwen2-bias-301": hf_model("qwen2", vocab_size=301)}
     out = {}
     for name, model in models.items():
         path = tmp_path_factory.mktemp(name)
@@ -241,7 +243,8 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[object, Path]]:
 @pytest.fixture(scope="module")
 def jobs(checkpoints) -> dict[str, Job]:
     path = {name: str(p) for name, (_, p) in checkpoints.items()}
-    listed = [Job(name, path[name]) for name in ("gpt-tied-301", "gpt-untied", "llama-gqa-301")]
+    listed = [Job(name, path[name]) for name in ("gpt-tied-301", "gpt-untied", "llama-gqa-301",
+                                                 "qwen2-bias-301")]
     listed += [Job("llama-gqa-301-bin", path["llama-gqa-301-bin"]),
                Job("gpt-tied-301-last-stage", path["gpt-tied-301"], lo=1),
                Job("gpt-tied-301-random", path["gpt-tied-301"], random=True),
@@ -257,7 +260,7 @@ def ranks(jobs) -> dict[tuple[int, str], dict]:
     return out
 
 
-ALL = ["gpt-tied-301", "gpt-untied", "llama-gqa-301", "llama-gqa-301-bin",
+ALL = ["gpt-tied-301", "gpt-untied", "llama-gqa-301", "qwen2-bias-301", "llama-gqa-301-bin",
        "gpt-tied-301-last-stage", "gpt-tied-301-random", "llama-gqa-301-random"]
 
 
@@ -270,7 +273,8 @@ def test_every_rank_gets_the_unsharded_logits(name, jobs, ranks):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["gpt-tied-301", "gpt-untied", "llama-gqa-301"])
+@pytest.mark.parametrize("name", ["gpt-tied-301", "gpt-untied", "llama-gqa-301",
+                                  "qwen2-bias-301"])
 def test_tp_logits_equal_transformers(name, checkpoints, ranks):
     """Rows: the decodes of requests 1 and 2, then request 0's chunk [10, 25)."""
     model, _ = checkpoints[name]
@@ -294,12 +298,15 @@ def test_each_rank_holds_exactly_its_slice(name, ranks):
         shapes = report["shapes"]
         assert shapes["layers.0.qkv.weight"] == (qkv_rows // TP, 64)
         assert shapes["layers.0.out.weight"] == (64, 64 // TP)
+        if name.startswith("qwen2"):  # q/k/v biases cut like their rows; none on o or the MLP
+            assert shapes["layers.0.qkv.bias"] == (qkv_rows // TP,)
+            assert not {"layers.0.out.bias", "layers.0.fc1.bias"} & set(shapes)
         head = shapes.get("lm_head.weight", shapes.get("embed.weight"))  # tied: one tensor
         assert head == ((302 if "301" in name else 300) // TP, 64)  # 301 padded to 302
 
 
 @pytest.mark.parametrize("name", ["gpt-tied-301", "gpt-untied", "llama-gqa-301",
-                                  "gpt-tied-301-last-stage"])
+                                  "qwen2-bias-301", "gpt-tied-301-last-stage"])
 def test_each_rank_reads_only_its_slices(name, jobs, ranks):
     """The elements each rank reads from the safetensors files are exactly the ones it
     holds (padding aside): about half the stage's weights, never a whole cut tensor."""
