@@ -45,19 +45,25 @@ def test_greedy_generation_equals_transformers(hf_checkpoint, overrides):
     assert any(s.start > 0 and not s.is_decode for mb in batches for s in mb.seqs)
 
 
-def test_prefill_logits_equal_transformers(hf_checkpoint):
-    family, model, path = hf_checkpoint
-    prompt = make_prompts(model.config.vocab_size)[2]
-    llm = LLM.from_pretrained(path, chunk_size=8, device="cpu")  # the reference runs on the CPU
+def assert_chunked_prefill_logits_equal(model, path, prompt: list[int]) -> None:
+    """Our logits of every prompt position, the prompt prefilled in chunks of 8 into slot 0
+    on the CPU (where the reference runs), equal `model`'s."""
+    llm = LLM.from_pretrained(path, chunk_size=8, device="cpu")
     worker = llm.executor.workers[0]
     ours = []
     for start in range(0, len(prompt), 8):  # chunks of 8 into slot 0
         seqs = slot_tables([SeqChunk(0, 0, start, tuple(prompt[start:start + 8]), None)], worker.cfg)
         hidden, _ = worker.forward(MicroBatch(0, seqs), None)
         ours.append(worker.model.logits(hidden))
+    llm.shutdown()
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(torch.cat(ours), ref, atol=5e-5, rtol=1e-4)
+
+
+def test_prefill_logits_equal_transformers(hf_checkpoint):
+    family, model, path = hf_checkpoint
+    assert_chunked_prefill_logits_equal(model, path, make_prompts(model.config.vocab_size)[2])
 
 
 @pytest.mark.parametrize("planner", sorted(PLANNERS))

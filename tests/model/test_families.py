@@ -16,15 +16,15 @@ import json
 import pytest
 import torch
 
-from conftest import slot_tables
 from pp_runtime import LLM, SamplingParams
-from pp_runtime.core.batch import MicroBatch, SeqChunk
+from pp_runtime.core.batch import SeqChunk
 from pp_runtime.model.attention import attention_paths
 from pp_runtime.model.checkpoint_fields import check_math_fields
 from pp_runtime.core.errors import CheckpointError
 from pp_runtime.planner import PLANNERS
 from test_checkpoint_fields import refused_everywhere
-from test_hf_reference import NEW_TOKENS, hf_greedy, make_prompts
+from test_hf_reference import (NEW_TOKENS, assert_chunked_prefill_logits_equal, hf_greedy,
+                               make_prompts)
 
 KIN = ["llama3", "llama-linear", "qwen2", "qwen3", "mistral"]
 
@@ -81,17 +81,7 @@ def test_greedy_tokens_equal_transformers(kin_checkpoint, planner):
 def test_chunked_prefill_logits_equal_transformers(kin_checkpoint):
     family, model, path = kin_checkpoint
     prompt = make_prompts(model.config.vocab_size)[2]  # 40 tokens: past Mistral's window
-    llm = LLM.from_pretrained(path, chunk_size=8, device="cpu")
-    worker = llm.executor.workers[0]
-    ours = []
-    for start in range(0, len(prompt), 8):  # chunks of 8 into slot 0
-        seqs = slot_tables([SeqChunk(0, 0, start, tuple(prompt[start:start + 8]), None)], worker.cfg)
-        hidden, _ = worker.forward(MicroBatch(0, seqs), None)
-        ours.append(worker.model.logits(hidden))
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(torch.cat(ours), ref, atol=5e-5, rtol=1e-4)
-    llm.shutdown()
+    assert_chunked_prefill_logits_equal(model, path, prompt)
 
 
 def test_dynamic_rope_past_the_original_context_equals_transformers(tmp_path):
