@@ -17,9 +17,8 @@ cache (block table[p // block_size], offset p % block_size); every layer reuses 
   gathered keys.
 - A sliding window W (Mistral; `window`, fixed per layer) keeps query p on keys
   (p - W, p]: a prefill chunk that reaches past W gets that band as its mask and only the
-  keys it can see; a decode past W reads its last W keys (varlen: rows and lengths cut to
-  the window; a CPU micro-batch with such a decode takes the per-decode views, since the
-  C++ kernel reads every key from position 0).
+  keys it can see; a decode past W reads its last W keys on every path (the C++ kernel
+  starts at them in its block table; varlen rows and lengths are cut to them).
 
 `attention_paths()` counts the calls per path, so a check can see which kernels ran.
 """
@@ -200,15 +199,13 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
                                                    False, False, seqused_k=seqused_k)[0]
 
 
-def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, layout: BatchLayout,
-                  window: int | None = None) -> str:
+def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, layout: BatchLayout) -> str:
     """The decode path: "cpu" (one call of our C++ kernel) where the layout says the worker
-    has it and no decode reaches past a `window`; "varlen" (one FlashAttention-2 call over
-    the gathered keys) for CUDA fp16/bf16, a head_dim it takes (a multiple of 8 up to 256)
-    and a cache in "tokens" order (it gathers rows of the flattened cache; kv_cache.py);
-    else "views"."""
-    within = window is None or max(layout.decode_lens) <= window
-    if layout.cpu_decode and q.dtype in (torch.float32, torch.bfloat16) and within:
+    has it; "varlen" (one FlashAttention-2 call over the gathered keys) for CUDA fp16/bf16,
+    a head_dim it takes (a multiple of 8 up to 256) and a cache in "tokens" order (it
+    gathers rows of the flattened cache; kv_cache.py); else "views". Every path honours a
+    sliding `window`."""
+    if layout.cpu_decode and q.dtype in (torch.float32, torch.bfloat16):
         return "cpu"
     head_dim = q.shape[-1]
     if (q.is_cuda and q.dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
@@ -225,11 +222,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     "varlen": the keys of all decodes gathered, decode after decode, into one
     [sum(keys read), kv_heads, head_dim] varlen key batch (`decode_key_rows`)."""
-    kernel = decode_kernel(q, k_cache, layout, window)
+    kernel = decode_kernel(q, k_cache, layout)
     if kernel == "cpu":
         _path_calls["decode_cpu"] += 1
         return decode_attention_cpu(q, k_cache, v_cache, layout.decode_tables,
-                                    layout.decode_seqlens)
+                                    layout.decode_seqlens, window)
     if kernel == "varlen":
         _path_calls["decode_varlen"] += 1
         kv_heads, head_dim = k_cache.shape[2:]

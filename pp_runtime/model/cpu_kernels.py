@@ -154,12 +154,14 @@ def _build_lock(build_dir: Path):
 
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+                         tables: torch.Tensor, lens: torch.Tensor,
+                         window: int | None = None) -> torch.Tensor:
     """Every decode in one call: q [D, heads, head_dim]; caches [num_blocks, block_size,
-    kv_heads, head_dim] (either layout); tables [D, W] int32 block tables, lens [D] int32.
+    kv_heads, head_dim] (either layout); tables [D, W] int32 block tables, lens [D] int32;
+    with a sliding `window`, each decode reads only its last `window` keys.
     Returns [D, heads, head_dim]."""
     return decode_extension().decode_attention(q, k_cache, v_cache, tables, lens,
-                                               q.shape[-1] ** -0.5)
+                                               q.shape[-1] ** -0.5, window or 0)
 
 
 def weight_bytes(model: nn.Module) -> int:

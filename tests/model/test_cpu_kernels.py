@@ -21,13 +21,15 @@ def decode_batch(tables_lens: list[tuple[list[int], int]]) -> MicroBatch:
                                for i, (table, n) in enumerate(tables_lens)))
 
 
-def dense_reference(q, k_cache, v_cache, tables_lens) -> torch.Tensor:
-    """Each decode's keys copied out block by block in table order, then one SDPA call:
-    the block table's meaning written independently of the layout code."""
+def dense_reference(q, k_cache, v_cache, tables_lens, window: int | None = None) -> torch.Tensor:
+    """Each decode's keys copied out block by block in table order (its last `window` of
+    them with a window), then one SDPA call: the block table's meaning written
+    independently of the layout code."""
     out = []
     for i, (table, n) in enumerate(tables_lens):
-        k = torch.cat([k_cache[b] for b in table])[:n].transpose(0, 1)[None].float()
-        v = torch.cat([v_cache[b] for b in table])[:n].transpose(0, 1)[None].float()
+        first = max(0, n - window) if window else 0
+        k = torch.cat([k_cache[b] for b in table])[first:n].transpose(0, 1)[None].float()
+        v = torch.cat([v_cache[b] for b in table])[first:n].transpose(0, 1)[None].float()
         out.append(F.scaled_dot_product_attention(q[i][None, :, None].float(), k, v,
                                                   enable_gqa=True)[0, :, 0])
     return torch.stack(out).to(q.dtype)
@@ -58,6 +60,30 @@ def test_decode_kernel_equals_sdpa_per_decode(heads_major, dtype, kv_heads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads_major", [True, False], ids=["heads", "tokens"])
+@pytest.mark.parametrize("window", [1, 5, 16, 21])
+def test_decode_kernel_with_a_sliding_window_reads_the_last_keys(heads_major, window):
+    """A sliding window (Mistral): each decode attends to its last `window` keys, starting
+    mid-block or on a block's edge, and those before the window are never read (NaN there
+    stays out); shorter decodes read all of theirs. The views path agrees."""
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache(1, 24, 16, 2, 32, torch.float32, torch.device("cpu"), heads_major)
+    work = [([23, 4, 17, 9], 64), ([0], 1), ([5, 11], 17), ([8, 2, 20], 40)]
+    for t in (cache.k[0], cache.v[0]):
+        t.fill_(float("nan"))
+        for table, n in work:
+            for j in range(max(0, n - window), n):
+                t[table[j // 16], j % 16] = torch.randn(2, 32, generator=g)
+    layout = BatchLayout.build(decode_batch(work), torch.device("cpu"), 16, cpu_decode=True)
+    q = torch.randn(4, 4, 32, generator=g)
+    before = attention_paths()["decode_cpu"]
+    got = decode_attention(q, cache.k[0], cache.v[0], layout, window)
+    assert attention_paths()["decode_cpu"] == before + 1
+    torch.testing.assert_close(got, dense_reference(q, cache.k[0], cache.v[0], work, window))
+    torch.testing.assert_close(decode_attention_views(q, cache.k[0], cache.v[0], layout, window), got)
+
+
+@needs_kernel
 def test_decode_kernel_reads_only_each_decodes_keys():
     """NaN everywhere but the keys each decode attends to: a read past them shows."""
     cache = KVCache(1, 6, 4, 2, 8, torch.float32, torch.device("cpu"), True)
@@ -79,12 +105,12 @@ def test_decode_kernel_refuses_bad_input():
     ext = decode_extension()
     with pytest.raises(RuntimeError, match="outside the cache"):
         ext.decode_attention(q, k, k, torch.tensor([[2]], dtype=torch.int32),
-                             torch.tensor([1], dtype=torch.int32), 1.0)
+                             torch.tensor([1], dtype=torch.int32), 1.0, 0)
     with pytest.raises(RuntimeError, match="beyond its block table"):
         ext.decode_attention(q, k, k, torch.tensor([[0]], dtype=torch.int32),
-                             torch.tensor([5], dtype=torch.int32), 1.0)
+                             torch.tensor([5], dtype=torch.int32), 1.0, 0)
     with pytest.raises(RuntimeError, match="int32"):
-        ext.decode_attention(q, k, k, torch.tensor([[0]]), torch.tensor([1]), 1.0)
+        ext.decode_attention(q, k, k, torch.tensor([[0]]), torch.tensor([1]), 1.0, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -159,7 +159,7 @@ def test_varlen_decode_call_equals_views(hf_checkpoint, monkeypatch):
             for s, slot in slot_of.items()] + [SeqChunk(0, 5, 0, tuple(p[0][:9]), None)]
     views = run(worker, seqs)
     monkeypatch.setattr(attention, "flash_varlen", reference_flash_varlen)
-    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout, window=None: "varlen")
+    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout: "varlen")
     before = attention_paths()
     varlen = run(worker, seqs)
     assert calls_since(before) == {"prefill_causal": LAYERS, "decode_varlen": LAYERS}
@@ -201,7 +201,7 @@ def test_cuda_hybrid_batch_runs_on_flash(hf_checkpoint, dtype, monkeypatch):
     with sdpa_kernel(FLASH_ONLY):
         fused, calls = hybrid_run(make_worker(path, "cuda", dtype), p)
     assert calls == {"prefill_lower_right": LAYERS, "decode_varlen": LAYERS}
-    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout, window=None: "views")
+    monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout: "views")
     with sdpa_kernel(SDPBackend.MATH):
         unfused, _ = hybrid_run(make_worker(path, "cuda", dtype), p)
     error = lambda x: float((x - ref).abs().max() / ref.abs().max())  # noqa: E731

@@ -1,14 +1,15 @@
 // Decode attention on a CPU: every decode of a micro-batch in one call.
 //
-// out[b, h] = softmax(q[b, h] . K_b[:len_b, h / group]^T * scale) . V_b[:len_b, h / group]
-// where position j of decode b is at offset j % block_size of block tables[b, j / block_size].
+// out[b, h] = softmax(q[b, h] . K_b[f_b:len_b, h / group]^T * scale) . V_b[f_b:len_b, h / group]
+// where position j of decode b is at offset j % block_size of block tables[b, j / block_size],
+// and f_b = max(0, len_b - window) with a sliding window (window > 0; Mistral), else 0.
 //
 // q: [D, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim] in any
 // memory order with head_dim contiguous (read through their strides: the "heads" layout
 // streams each head's keys of a block); tables: [D, W] int32 block tables (BatchLayout's
 // decode_tables), lens: [D] int32 (decode_seqlens). The keys are read in place through the
 // table, never gathered. One task per (decode, head), spread over torch's intra-op threads
-// (at::parallel_for); each reads exactly len_b keys and values once, accumulating in
+// (at::parallel_for); each reads exactly len_b - f_b keys and values once, accumulating in
 // float32 (bfloat16 caches too). Built on first use by pp_runtime/model/cpu_kernels.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -20,7 +21,7 @@
 template <typename T>
 static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                    const int32_t* table, int64_t width, const int32_t* len, at::Tensor& out,
-                   float scale) {
+                   float scale, int64_t window) {
   const int64_t heads = q.size(1), dim = q.size(2), group = heads / kc.size(2);
   const int64_t bs = kc.size(1);
   const T* qp = q.data_ptr<T>();
@@ -34,37 +35,39 @@ static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
     std::vector<float> score, qf(dim), acc(dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads, h = i % heads, n = len[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;  // f_b
       const int32_t* blocks = table + b * width;
       const T* kh = kp + (h / group) * ks2;  // head h's keys, block 0
       const T* vh = vp + (h / group) * vs2;
       const T* qb = qp + b * qs0 + h * qs1;
       for (int64_t e = 0; e < dim; ++e) qf[e] = static_cast<float>(qb[e]) * scale;
-      score.resize(n);
+      score.resize(n - first);  // score[j - first] for key j
       float top = -INFINITY;
-      for (int64_t blk = 0, j0 = 0; j0 < n; ++blk, j0 += bs) {  // scores: one pass over the keys,
-        const T* kb = kh + blocks[blk] * ks0;                     // block by block (no division per key)
+      const int64_t blk0 = first / bs;  // the block of the first key read
+      for (int64_t blk = blk0, j0 = blk0 * bs; j0 < n; ++blk, j0 += bs) {  // scores: one pass over
+        const T* kb = kh + blocks[blk] * ks0;  // the keys, block by block (no division per key)
         const int64_t m = std::min(bs, n - j0);
-        for (int64_t o = 0; o < m; ++o) {
+        for (int64_t o = std::max<int64_t>(0, first - j0); o < m; ++o) {
           const T* kr = kb + o * ks1;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
           for (int64_t e = 0; e < dim; ++e) s += qf[e] * static_cast<float>(kr[e]);
-          score[j0 + o] = s;
+          score[j0 + o - first] = s;
           top = std::max(top, s);
         }
       }
       float total = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = 0; j < n - first; ++j) {
         score[j] = std::exp(score[j] - top);
         total += score[j];
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t blk = 0, j0 = 0; j0 < n; ++blk, j0 += bs) {  // weighted values: one pass
+      for (int64_t blk = blk0, j0 = blk0 * bs; j0 < n; ++blk, j0 += bs) {  // weighted values: one pass
         const T* vb = vh + blocks[blk] * vs0;
         const int64_t m = std::min(bs, n - j0);
-        for (int64_t o = 0; o < m; ++o) {
+        for (int64_t o = std::max<int64_t>(0, first - j0); o < m; ++o) {
           const T* vr = vb + o * vs1;
-          const float p = score[j0 + o];
+          const float p = score[j0 + o - first];
 #pragma omp simd
           for (int64_t e = 0; e < dim; ++e) acc[e] += p * static_cast<float>(vr[e]);
         }
@@ -77,7 +80,7 @@ static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& tables,
-                            const at::Tensor& lens, double scale) {
+                            const at::Tensor& lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "q [D, heads, head_dim], caches [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
@@ -101,9 +104,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                   ": block ", table[b * width + i], " is outside the cache's ", blocks);
   }
   if (q.scalar_type() == at::kFloat)
-    decode<float>(q, k_cache, v_cache, table, width, len, out, static_cast<float>(scale));
+    decode<float>(q, k_cache, v_cache, table, width, len, out, static_cast<float>(scale), window);
   else if (q.scalar_type() == at::kBFloat16)
-    decode<at::BFloat16>(q, k_cache, v_cache, table, width, len, out, static_cast<float>(scale));
+    decode<at::BFloat16>(q, k_cache, v_cache, table, width, len, out, static_cast<float>(scale),
+                         window);
   else
     TORCH_CHECK(false, "decode_attention: float32 or bfloat16, got ", q.scalar_type());
   return out;
