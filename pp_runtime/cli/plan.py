@@ -53,6 +53,12 @@ def add_parser(sub) -> None:
     p.add_argument("--validate-requests", type=positive_int, default=32,
                    help="requests per real probe in --validate (default 32)")
     p.add_argument("--reference", default="cpu/gpt2_pp2", help="--validate also measures this config")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="search every candidate to its capacity, every probe in full (slow; "
+                        "the fast default gives the same winner and frontier)")
+    p.add_argument("--cache", default="runs/plan-cache",
+                   help="probe answers kept here and read back (default runs/plan-cache)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor keep probe answers")
     p.add_argument("--out", default="runs/plan", help="output directory (default runs/plan)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_plan)
@@ -118,13 +124,18 @@ def longest(wl) -> int:
 
 
 def _lengths(wl) -> list[int]:
+    return [p + d for p, d in _pairs(wl)]
+
+
+def _pairs(wl) -> list[tuple[int, int]]:
+    """(prompt, output) tokens of each request of the workload."""
     from pp_runtime.core.workload import generate
 
-    return [s.prompt_len + s.output_len for s in generate(wl)]
+    return [(s.prompt_len, s.output_len) for s in generate(wl)]
 
 
 def cmd_plan(args) -> int:
-    from pp_runtime.plan.search import Slo, search
+    from pp_runtime.plan.search import Slo, Workload, search
     from pp_runtime.plan.space import candidates
 
     try:
@@ -134,9 +145,10 @@ def cmd_plan(args) -> int:
         if bad or not planners:
             raise ConfigError(f"--planners: unknown {', '.join(bad) or '(none)'}; use {', '.join(PLANNERS)}")
         chunks = _ints(args.chunk_sizes, "--chunk-sizes")
-        lengths = _lengths(base.workload)
+        pairs = _pairs(base.workload)
+        lengths = [p + d for p, d in pairs]
         slo = Slo(args.ttft_slo, args.tbt_slo)
-        items, outs = candidates(base, args.gpus, planners, chunks, lengths, slo.tbt_s)
+        items, outs = candidates(base, args.gpus, planners, chunks, lengths, (slo.tbt_s, slo.ttft_s))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -145,20 +157,26 @@ def cmd_plan(args) -> int:
           f"{args.gpus_per_node} per node); workload {args.workload} ({len(lengths)} requests per "
           f"probe, mean {sum(lengths) / len(lengths):.0f} tokens); SLO p99 TTFT <= {args.ttft_slo:g} s, "
           f"p99 TBT <= {args.tbt_slo * 1e3:g} ms", flush=True)
+    if args.profile:
+        print(f"  {calibration_line(args.profile)}", flush=True)
     tile = base.planner.tile_size
     if any(c % tile for c in chunks):
         print(f"  note: chunk sizes {', '.join(str(c) for c in chunks if c % tile)} are not multiples "
               f"of the {tile}-token matmul tile (planner.tile_size): part of a tile is wasted", flush=True)
     layouts = len({c.layout for c, _ in items})
     print(f"  {layouts} layouts fit ({len(outs)} left out before simulation), {len(items)} "
-          f"deployments to search in {args.jobs} processes, budget {args.budget_minutes:g} min", flush=True)
+          f"deployments to search ({'exhaustive' if args.exhaustive else 'fast'}) in {args.jobs} "
+          f"processes, budget {args.budget_minutes:g} min", flush=True)
     if not items:
         print("error: " + nothing_fits(outs, args), file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    results = search(items, sum(lengths) / len(lengths), slo, args.jobs, args.budget_minutes * 60,
-                     progress=not args.quiet)
+    results, (simulated, probes) = search(items, Workload.of(pairs), slo, args.jobs, args.budget_minutes * 60,
+                                fast=not args.exhaustive, progress=not args.quiet,
+                                cache_dir=None if args.no_cache else args.cache)
     elapsed = time.perf_counter() - t0
+    print(f"\n{probes} probes, {simulated} simulated, {probes - simulated} read from the cache; "
+          f"search {elapsed:.1f} s", flush=True)
     return finish(args, base, dict(items), results, outs, slo, lengths, elapsed)
 
 
@@ -167,9 +185,9 @@ def finish(args, base, configs, results, outs, slo, lengths, elapsed) -> int:
     from pp_runtime.plan.search import LOST
 
     out = Path(args.out)
-    rank = report.ranked(results)
+    rank = report.layout_points(results)
     n = {k: sum(r.outcome == k for r in results) for k in ("searched", LOST, "bound", "budget")}
-    print(f"\nsearched {n['searched']} to the end, {n[LOST]} lost at the best's rate, "
+    print(f"searched {n['searched']} to the end, {n[LOST]} lost at their layout's best, "
           f"{n['bound']} out by bound, {n['budget']} left by the budget; {elapsed:.0f} s\n")
     if not rank:
         print("error: no deployment met the SLOs at any rate probed; " + what_would(results, slo),
@@ -183,13 +201,45 @@ def finish(args, base, configs, results, outs, slo, lengths, elapsed) -> int:
     path = report.winner_config(win, configs[win.candidate], slo, out / "best.yaml")
     fig = report.plot(results, slo, out / "capacity_vs_latency.png",
                       f"{base.model.name} on {args.gpus} x {args.gpu}: best of each tp x pp")
-    _write_json(out, args, results, outs, win)
+    front = show_frontier(args, base, configs, results, win, slo, out)
+    _write_json(out, args, results, outs, win, front)
     print(f"\nbest: {win.candidate.name}: {win.qps:.4f} req/s ({win.per_gpu:.5f} per GPU)")
-    print(f"  wrote {path} (pp-runtime run/serve --config {path}), {fig}, {out / 'plan.json'}")
+    print(f"  wrote {path} (pp-runtime run/serve --config {path}), {fig}, {out / 'frontier.png'}, "
+          f"{out / 'frontier'}/NN.yaml, {out / 'plan.json'}")
     if args.validate:
         from pp_runtime.plan.validate import validate
         return validate(args, rank, configs, slo, out)
     return 0
+
+
+def show_frontier(args, base, configs, results, win, slo, out: Path) -> list:
+    """Print the Pareto frontier of the layouts' best points, write its configs, draw it."""
+    from pp_runtime.plan import frontier
+
+    points = frontier.layout_points(results)
+    front = frontier.pareto(points)
+    print(f"\nfrontier: {len(front)} of {len(points)} layouts (none carries more per GPU at a "
+          "lower p99 TBT and TTFT):")
+    print(frontier.table(front, win))
+    frontier.write_configs(front, configs, slo, out)
+    frontier.plot(points, front, win, slo, out / "frontier.png",
+                  f"{base.model.name} on {args.gpus} x {args.gpu}: each layout's best, the frontier")
+    return front
+
+
+def calibration_line(profile: str) -> str:
+    """One line: the calibration the profile carries (the cost model uses it), or none."""
+    from pp_runtime.costmodel import calibration
+
+    f = Path(profile).expanduser() / calibration.FILE
+    if not f.is_file():
+        return (f"calibration: none in {profile}: the simulator is uncalibrated (predictions run "
+                f"optimistic); `pp-runtime profile --calibrate N --out {profile}` measures it")
+    try:
+        keys = sorted(json.loads(f.read_text()))
+    except ValueError:
+        keys = ["(unreadable)"]
+    return f"calibration: {f} ({', '.join(keys)}): used where a candidate's executor, tp and pp match"
 
 
 def nothing_fits(outs, args) -> str:
@@ -225,7 +275,7 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def _write_json(out: Path, args, results, outs, win) -> None:
+def _write_json(out: Path, args, results, outs, win, front=()) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"deployment": r.candidate.name, "outcome": r.outcome, "capacity_qps": r.qps,
              "per_gpu": r.per_gpu, "bound_qps": r.bound_qps, "seconds": r.seconds,
@@ -234,4 +284,7 @@ def _write_json(out: Path, args, results, outs, win) -> None:
     (out / "plan.json").write_text(json.dumps({
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "best": win.candidate.name if win else None, "results": rows,
+        "frontier": [{"deployment": r.candidate.name, "per_gpu": r.per_gpu,
+                      "tbt_p99_s": r.detail.get("tbt_p99_s"), "ttft_p99_s": r.detail.get("ttft_p99_s")}
+                     for r in front],
         "left_out": [vars(o) for o in outs]}, indent=1, default=str))

@@ -9,6 +9,7 @@ all-at-once arrivals that is the least-loaded replica), runs one planner + drive
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -62,9 +63,23 @@ def sim_depth(cfg: Config, cost: StageCost) -> Config:
     return cfg.with_overrides(in_flight=cfg.parallel.pp)
 
 
-def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True) -> RunResult:
+def _watched(bar: tqdm, watch: Callable, rec: RunRecorder, requests: list[Request],
+             clock: VirtualClock) -> Callable[[int], None]:
+    """The recorder's per-micro-batch callback with `watch` after the progress bar."""
+    def on_tokens(n: int) -> None:
+        bar.update(n)
+        watch(rec, requests, clock())
+
+    return on_tokens
+
+
+def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True,
+             watch: Callable[[RunRecorder, list[Request], float], None] | None = None) -> RunResult:
     """Run cfg's workload through cfg's planner on the simulated pipeline; ConfigError first
-    if the deployment does not fit in the simulated GPUs' memory or its KV slots. Ctrl-C
+    if the deployment does not fit in the simulated GPUs' memory or its KV slots. `watch`
+    (recorder, requests, virtual now) is called after every micro-batch's tokens; what it
+    raises ends the run and propagates (`pp-runtime plan` stops a probe whose SLO miss is
+    already certain). Ctrl-C
     (or SIGTERM under `interrupt.handled()`) re-raises with the partial result attached
     (`exc.result`): every request not finished by then ends with finish reason error."""
     check_memory(cfg)
@@ -88,6 +103,8 @@ def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True) 
             for i in ids:
                 planner.add(requests[i])
             rec = RunRecorder(clock, replica=r, on_tokens=bar.update)
+            if watch is not None:
+                rec.on_tokens = _watched(bar, watch, rec, requests, clock)
             replicas.append(rec)
             driver.run(planner, SimExecutor(cost, pp, clock), cfg.in_flight, clock, rec,
                        sleep=clock.sleep)

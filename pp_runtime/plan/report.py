@@ -23,10 +23,29 @@ def headroom(cfg: Config, lengths: list[int]) -> str:
     return f"{kv.blocks * per_block / memory.GB:.1f} GB KV, {kv.in_flight} req"
 
 
+def rank_key(r: Result) -> tuple:
+    """Best first: capacity per GPU (a grid point), then the lower p99 TBT and TTFT at it,
+    fewer GPUs, the earlier in its layout's order: the same on every search path."""
+    d = r.detail
+    return (-(r.k if r.k is not None else -10 ** 9), d.get("tbt_p99_s") or 0.0,
+            d.get("ttft_p99_s") or 0.0, r.candidate.layout.gpus, r.candidate.layout.name, r.order)
+
+
+def layout_points(results: list[Result]) -> list[Result]:
+    """Each layout's best deployment: its highest capacity, the earlier in the layout's
+    search order on a tie (what both search paths know); best first (`rank_key`)."""
+    best: dict = {}
+    for r in results:
+        if r.outcome == "searched" and r.k is not None:
+            b = best.get(r.candidate.layout)
+            if b is None or (r.k, -r.order) > (b.k, -b.order):
+                best[r.candidate.layout] = r
+    return sorted(best.values(), key=rank_key)
+
+
 def ranked(results: list[Result]) -> list[Result]:
-    """Searched candidates with a capacity, best per GPU first."""
-    return sorted((r for r in results if r.outcome == "searched" and r.qps),
-                  key=lambda r: (-r.per_gpu, r.candidate.layout.gpus))
+    """Searched candidates with a capacity, best first (`rank_key`)."""
+    return sorted((r for r in results if r.outcome == "searched" and r.k is not None), key=rank_key)
 
 
 def ranked_table(results: list[Result], configs: dict, lengths: list[int], top: int) -> str:
@@ -47,13 +66,7 @@ def ranked_table(results: list[Result], configs: dict, lengths: list[int], top: 
 def why_lost(r: Result, slo: Slo, best: float) -> str:
     d = r.detail
     if r.outcome == LOST:
-        misses = [f"{name} {_ms(d.get(key))} > {_ms(limit)}" for name, key, limit in
-                  (("p99 TBT", "tbt_p99_s", slo.tbt_s), ("p99 TTFT", "ttft_p99_s", slo.ttft_s))
-                  if d.get(key) is None or d[key] > limit]
-        what = ", ".join(misses) or "a request failed"
-        bubble = f", bubble {100 * d.get('bubble_fraction', 0):.1f}%" if d else ""
-        return (f"SLO missed at {r.probes[0].qps / r.candidate.layout.gpus:.4f} req/s/GPU (the best "
-                f"known when it ran): {what}{bubble}")
+        return f"SLO missed at {r.probes[0].qps / r.candidate.layout.gpus:.4f} req/s/GPU: {missed(d, slo)}"
     if r.outcome == "bound":
         return (f"bound: at most {r.bound_qps / r.candidate.layout.gpus:.4f} req/s/GPU without "
                 f"bubbles, within {100 * REL_TOL:.0f} % of the best {best:.4f} or below")
@@ -61,23 +74,35 @@ def why_lost(r: Result, slo: Slo, best: float) -> str:
         return "not searched: the time budget ran out"
     if r.outcome == "error":
         return f"refused by the simulator: {d.get('error')}"
-    if r.outcome == "searched" and not r.qps:
-        return "SLO: no rate probed met it"
+    if r.outcome == "searched" and r.k is None:
+        return f"SLO: no rate probed met it ({missed(d, slo)})"
     return f"capacity {r.per_gpu:.4f} req/s/GPU, bubble {100 * d.get('bubble_fraction', 0):.1f}%"
+
+
+def missed(d: dict, slo: Slo) -> str:
+    """What a probe that missed missed (stopped early: what was certain then)."""
+    if d.get("stopped"):
+        return f"{d['stopped']} (stopped early)"
+    misses = [f"{name} {_ms(d.get(key))} > {_ms(limit)}" for name, key, limit in
+              (("p99 TBT", "tbt_p99_s", slo.tbt_s), ("p99 TTFT", "ttft_p99_s", slo.ttft_s))
+              if d.get(key) is None or d[key] > limit]
+    bubble = f", bubble {100 * d.get('bubble_fraction', 0):.1f}%" if "bubble_fraction" in d else ""
+    return (", ".join(misses) or "a request failed") + bubble
 
 
 def layout_table(results: list[Result], outs: list[Out], slo: Slo) -> str:
     """One line per (tp, pp, replicas): its best capacity per GPU, or why it lost."""
-    rank = ranked(results)
-    best = rank[0].per_gpu if rank else 0.0
+    points = layout_points(results)
+    best = points[0].per_gpu if points else 0.0
     by_layout: dict[str, list[Result]] = {}
     for r in results:
         by_layout.setdefault(r.candidate.layout.name, []).append(r)
     lines = []
     for name, rs in by_layout.items():
-        top = max(rs, key=lambda r: (r.outcome == "searched", r.per_gpu))
-        if top.outcome == "searched" and top.qps:
-            tag = "winner" if rank and top is rank[0] else "lost"
+        done = layout_points(rs)
+        top = done[0] if done else rs[0]
+        if done:
+            tag = "winner" if top is points[0] else "lost"
             lines.append((-top.per_gpu, f"  {name:<14} {tag:<7} {why_lost(top, slo, best)} "
                                         f"({top.candidate.name.split(' ', 3)[3]})"))
         else:
@@ -96,9 +121,7 @@ def plot(results: list[Result], slo: Slo, path: Path, title: str) -> Path | None
     from pp_runtime.bench.capacity import latency_axis
     from pp_runtime.telemetry.plots import _save, line_styles
 
-    best: dict[str, Result] = {}
-    for r in ranked(results):
-        best.setdefault(r.candidate.layout.name, r)
+    best = {r.candidate.layout.name: r for r in layout_points(results)}
     if not best:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))

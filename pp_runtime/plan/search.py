@@ -1,45 +1,47 @@
-"""The search: every candidate's capacity on the simulator, best first, in parallel.
+"""The search: every layout's capacity on the simulator, in parallel processes.
+
+Capacity is a grid point (`probe.rate(k)`, req/s per GPU, 5 % apart): the highest rate
+whose probe meets both p99 SLOs, found by bracketing from START x the candidate's bound
+in growing steps, then bisecting to one grid step (`grid_capacity`; it assumes, as every
+capacity search does, that a rate that misses is missed at every higher one).
 
 Every candidate has an upper bound on its capacity from the cost model alone
-(`upper_bound`: the slowest stage's best time per token, at most C + B tokens a
-micro-batch, times the workload's mean request). They are searched in `jobs` processes,
-highest bound per GPU first, discounted where a rough TBT (`likely_tbt_s`) is over the SLO
-so that the likely feasible come first. A candidate's capacity search (`capacity.capacity_search` on the simulator,
-one replica at its share of the rate) starts at the best capacity found so far (a
-little above it): a candidate that misses the SLOs there cannot win and costs one probe
-("lost at the best's rate", with the latencies it had). A candidate whose bound is within
-the search's tolerance of the best capacity is out without a probe ("bound").
-The time budget stops new searches; what it left unsearched is listed as such.
+(`upper_bound`). A layout's candidates are put in one order (`ordered`: the SLO-driven
+uniform first, then by bound), and a layout's best is its highest capacity, the earlier
+in that order on a tie, so the answer does not depend on which process finishes first.
 
-A probe is a sustained rate, not a burst: its arrivals span at least 10 TTFT SLOs (more
-requests than `--requests` where the rate asks for it, at most 5000), so a rate 10 % above
-what the deployment serves builds a queue longer than the TTFT SLO and fails.
+  exhaustive  every candidate searched to its capacity, each probe run in full;
+  fast        first every layout's first candidate, searched to its capacity k; then each
+              other one is out without a probe where its bound is below rate(k + 1)
+              ("bound"), else probed once at k + 1 and out when it misses there ("lost at
+              the layout's best"), else searched on from there. A probe that cannot meet
+              the SLOs any more stops early (`probe.Watch`). Every answer is cached
+              (`probe.ProbeCache`): a second identical search simulates nothing.
+Both give every layout the same capacity and the same best candidate, so the same winner
+and frontier.
 """
 from __future__ import annotations
 
-import math
 import multiprocessing
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tqdm import tqdm
 
-from pp_runtime.bench.capacity import Probe, capacity_search, meets
+from pp_runtime.bench.capacity import Probe
 from pp_runtime.config import Config, ConfigError
-from pp_runtime.plan.space import Candidate, with_share
+from pp_runtime.plan.probe import ProbeCache, Prober, Slo, grid_index, rate
+from pp_runtime.plan.space import Candidate, Layout, cost_model
 
-REL_TOL = 0.05  # bisect until the bracket is this narrow
-MAX_PROBES = 9
-SPAN_TTFTS = 10  # a probe's arrivals span at least this many TTFT SLOs
-MAX_REQUESTS = 5000  # and no probe simulates more requests than this
-LOST = "lost at the best's rate"
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float  # p99 time to first token
-    tbt_s: float  # p99 time between tokens
+REL_TOL = 0.05  # the grid's step (probe.STEP - 1)
+START = 0.8  # a search starts at this share of the bound (capacities came at 0.5-0.98 of it)
+FIRST_JUMP = 2  # grid steps of the first bracketing move (x 1.10), doubled after each
+FLOOR = 1e-4  # no capacity searched below this share of the bound
+LOST = "lost at the layout's best"
+PASSED = "passed the layout's best"  # fast path, between its phases
+__all__ = ["Slo", "Result", "search", "upper_bound", "LOST", "REL_TOL"]
 
 
 @dataclass
@@ -48,150 +50,250 @@ class Result:
 
     candidate: Candidate
     bound_qps: float  # the cost model's upper bound on its capacity (all replicas)
-    qps: float | None = None  # its capacity (all replicas); None: not searched to the end
-    outcome: str = "pending"  # searched | lost at the best's rate | bound | budget | error
-    probes: list[Probe] = field(default_factory=list)  # one replica's, at its share
-    detail: dict = field(default_factory=dict)  # the summary at its capacity (or last probe)
+    order: int = 0  # its place in its layout's search (ties go to the earlier)
+    k: int | None = None  # its capacity's grid point; None: not searched to the end or none met
+    outcome: str = "pending"  # searched | lost at the layout's best | bound | budget | error
+    probes: list[Probe] = field(default_factory=list)  # in the order run
+    detail: dict = field(default_factory=dict)  # the probe at its capacity (or the deciding one)
     seconds: float = 0.0
 
     @property
+    def qps(self) -> float | None:  # capacity of all replicas
+        return None if self.k is None else rate(self.k) * self.candidate.layout.gpus
+
+    @property
     def per_gpu(self) -> float:
-        return (self.qps or 0.0) / self.candidate.layout.gpus
+        return 0.0 if self.k is None else rate(self.k)
 
 
-def upper_bound(cfg: Config, mean_tokens: float, replicas: int) -> float:
-    """Requests per second the replicas could finish if every micro-batch were as efficient
-    as the best one of at most C + B tokens on the slowest stage (no bubbles, no attention
-    beyond a chunk's first, no SLO): no schedule does better."""
-    from pp_runtime.costmodel import build_cost_model
+@dataclass(frozen=True)
+class Workload:
+    """What the bound needs of the workload: means over its requests."""
 
-    cost = build_cost_model(cfg)
-    top = cfg.chunk_tokens + cfg.batch_rows
-    sizes = sorted({max(1, round(top / 2 ** k)) for k in range(12)})
-    per_token = min(max(cost.stage_times([(0, t)], [])) / t for t in sizes)
-    return replicas / (mean_tokens * per_token)
+    tokens: float  # prompt + output tokens
+    keys: float  # keys its decodes read: sum over output tokens j of (prompt + j)
+
+    @classmethod
+    def of(cls, pairs: list[tuple[int, int]]) -> "Workload":
+        n = len(pairs)
+        return cls(sum(p + d for p, d in pairs) / n,
+                   sum(d * p + d * (d + 1) / 2 for p, d in pairs) / n)
+
+
+def upper_bound(cfg: Config, wl: Workload, replicas: int) -> float:
+    """Requests per second the replicas could finish at best: on each stage, every token at
+    the best time per token of any micro-batch the candidate can form (at most C + B
+    tokens: no bubbles, no SLO) plus the decode attention each request must read (the
+    cost model's decode attention is affine in the keys read, its coefficients >= 0); the
+    slowest stage bounds the rate."""
+    cost = cost_model(cfg)
+    capped = cfg.planner.chunk_size and cfg.planner.max_batch_size
+    top = cfg.chunk_tokens + cfg.batch_rows if capped else 16384
+    sizes = sorted({max(1, round(top / 2 ** k)) for k in range(15)})
+    per_token = [min(ts) for ts in zip(*([x / t for x in cost.stage_times([(0, t)], [])]
+                                        for t in sizes))]
+    one, more = cost.stage_times([], [1]), cost.stage_times([], [1025])
+    per_key = [max(0.0, (b - a) / 1024) for a, b in zip(one, more)]
+    slowest = max(t * wl.tokens + k * wl.keys for t, k in zip(per_token, per_key))
+    return replicas / slowest
 
 
 def likely_tbt_s(cfg: Config, mean_tokens: float) -> float:
     """A rough p99 TBT: a full micro-batch (a chunk and B - 1 decodes at half the mean
     length) on the slowest stage, once per micro-batch in flight. Orders the search (the
     likely feasible first), never prunes it."""
-    from pp_runtime.costmodel import build_cost_model
-
-    stage = max(build_cost_model(cfg).stage_times([(0, cfg.chunk_tokens)],
-                                                  [max(1, int(mean_tokens / 2))] * (cfg.batch_rows - 1)))
+    rows = cfg.planner.max_batch_size or 32
+    stage = max(cost_model(cfg).stage_times([(0, cfg.chunk_tokens)],
+                                            [max(1, int(mean_tokens / 2))] * (rows - 1)))
     return cfg.in_flight * stage
 
 
-def probe_on_sim(cfg: Config, replicas: int, slo: Slo):
-    """probe(qps of all replicas) -> Probe of one replica at its share (the simulator)."""
-    from pp_runtime.costmodel import build_cost_model
-    from pp_runtime.engine.simulate import simulate
-    from pp_runtime.telemetry.report import build_report
+def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
+                  known_ok: int | None = None) -> int | None:
+    """The highest k in [floor, top] with ok(k), ok taken as monotone (true up to the
+    capacity, false above); None if none is. known_ok: a k already known ok."""
+    lo, hi, jump = known_ok, None, FIRST_JUMP
+    if lo is not None and lo >= top:
+        return lo
+    if lo is not None:  # just above a known best: most candidates that pass it pass it by little
+        jump = 1
+    k = min(lo + jump, top) if lo is not None else min(max(start, floor), top)
+    while True:  # bracket: move away from the last answer in growing steps
+        if ok(k):
+            lo = k
+            if hi is not None or k >= top:
+                break
+            k = min(k + jump, top)
+        else:
+            hi = k
+            if lo is not None:
+                break
+            if k <= floor:
+                return None
+            k = max(k - jump, floor)
+        jump *= 2
+    while hi is not None and hi - lo > 1:  # bisect to one grid step
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
-    cost = build_cost_model(cfg)
 
-    def probe(qps: float) -> Probe:
-        one = with_share(cfg, replicas, qps)
-        span = math.ceil(one.workload.qps * SPAN_TTFTS * slo.ttft_s)  # a sustained rate
-        if one.workload.kind != "trace" and span > one.workload.num_requests:
-            one = one.with_overrides(**{"workload.num_requests": min(span, MAX_REQUESTS)})
-        s = build_report(simulate(one, cost, progress=False))["summary"]
-        tbt, ttft = s["tbt_s"]["p99"], s["ttft_s"]["p99"]
-        failed = s["num_requests"] - s["finish_reasons"].get("length", 0)
-        detail = {"tbt_p99_s": tbt, "ttft_p99_s": ttft, "bubble_fraction": s["bubble_fraction"],
-                  "bubble_by_cause": s["bubble_fraction_by_cause"],
-                  "per_stage_bubble": [st["bubble_s"] / st["wall_s"] if st["wall_s"] else 0.0
-                                       for st in s["per_stage"]],
-                  "throughput_tok_s": s["throughput_tok_s"] * replicas}
-        return Probe(qps, tbt, ttft, meets(tbt, ttft, slo.tbt_s, slo.ttft_s, failed), detail)
-
-    return probe
-
-
-def evaluate(cand: Candidate, cfg: Config, bound: float, best: float, slo: Slo) -> Result:
-    """One candidate's capacity (run in a worker process). best: the best capacity known
-    when it started (0: none yet); the search starts a little above it."""
+def search_candidate(res: Result, cfg: Config, slo: Slo, fast: bool, cache_dir: str | None,
+                     best: int | None, climb: bool = True) -> tuple[Result, tuple[int, int]]:
+    """One candidate searched (run in a worker process; module docstring); best: its
+    layout's best grid point known (fast path, None: search it to its capacity); climb
+    False: stop once it passes best + 1 (outcome PASSED). Returns it and the probes
+    simulated and asked for (the rest came from the cache)."""
     import warnings
 
     warnings.simplefilter("ignore", UserWarning)  # e.g. a chunk off the tile: said once by `plan`
-    t0 = time.perf_counter()
+    t0, cache = time.perf_counter(), ProbeCache(cache_dir)
     try:
-        return _evaluate(cand, cfg, bound, best, slo, t0)
+        _search_one(res, cfg, slo, fast, cache, best, climb)
     except ConfigError as exc:  # a deployment the simulator refuses: out, with its reason
-        return Result(cand, bound, outcome="error", detail={"error": str(exc)},
-                      seconds=time.perf_counter() - t0)
-
-
-def _evaluate(cand: Candidate, cfg: Config, bound: float, best: float, slo: Slo,
-              t0: float) -> Result:
-    probe = probe_on_sim(cfg, cand.layout.replicas, slo)
-    res = Result(cand, bound)
-    start = best * (1 + REL_TOL) if best else bound / 4
-    if best:
-        first = probe(start)
-        res.probes.append(first)
-        if not first.ok:
-            res.outcome, res.detail = LOST, first.detail
-            res.seconds = time.perf_counter() - t0
-            return res
-        start = first.qps
-
-    def counted(q: float) -> Probe:
-        if res.probes and q == start and best:
-            return res.probes[0]  # the first probe, already run
-        p = probe(q)
-        res.probes.append(p)
-        return p
-
-    cap = capacity_search(counted, start, REL_TOL, MAX_PROBES, max_qps=bound, min_qps=bound / 1e4)
-    res.qps, res.outcome = cap.qps, "searched"
-    ok = [p for p in res.probes if p.ok]
-    res.detail = (max(ok, key=lambda p: p.qps) if ok else res.probes[-1]).detail
+        res.outcome, res.detail = "error", {"error": str(exc)}
     res.seconds = time.perf_counter() - t0
-    return res
+    return res, (cache.simulated, cache.asked)
 
 
-def search(items: list[tuple[Candidate, Config]], mean_tokens: float, slo: Slo, jobs: int,
-           budget_s: float, progress: bool = True) -> list[Result]:
-    """Every candidate's Result, searched best bound first (module docstring)."""
-    def order(rc) -> float:  # the bound per GPU, discounted where the TBT SLO looks out of reach
-        res, cfg = rc
-        tbt = likely_tbt_s(cfg, mean_tokens)
-        return -res.bound_qps / res.candidate.layout.gpus * min(1.0, slo.tbt_s / tbt)
+def _search_one(res: Result, cfg: Config, slo: Slo, fast: bool, cache: ProbeCache,
+                best: int | None, climb: bool) -> None:
+    lay = res.candidate.layout
+    prober = Prober(cfg, lay.replicas, slo, cache, stop_early=fast)
+    seen: dict[int, Probe] = {}
 
-    pending = sorted(((Result(c, upper_bound(cfg, mean_tokens, c.layout.replicas)), cfg)
-                      for c, cfg in items), key=order)
-    results = [r for r, _ in pending]
-    best = 0.0  # per GPU
-    t0 = time.monotonic()
-    bar = tqdm(total=len(pending), unit="deployment", desc="plan", disable=not progress,
-               leave=False, mininterval=0.5)
-    ctx = multiprocessing.get_context("spawn")  # no fork of a threaded parent
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        running: dict = {}
+    def ok(k: int) -> bool:
+        if k not in seen:
+            seen[k] = prober(k)
+            res.probes.append(seen[k])
+        return seen[k].ok
+
+    top = grid_index(res.bound_qps / lay.gpus)
+    floor = grid_index(res.bound_qps / lay.gpus * FLOOR)
+    known = None
+    if best is not None:
+        if top < best + 1:
+            res.outcome = "bound"
+            return
+        if not ok(best + 1):
+            res.outcome, res.detail = LOST, seen[best + 1].detail
+            return
+        if not climb:
+            res.outcome = PASSED
+            return
+        known = best + 1
+    res.k = grid_capacity(ok, grid_index(res.bound_qps / lay.gpus * START), top, floor, known)
+    res.outcome = "searched"
+    res.detail = (seen[res.k] if res.k is not None else res.probes[-1]).detail
+
+
+def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: int,
+           budget_s: float, fast: bool = True, cache_dir: str | None = None,
+           progress: bool = True) -> tuple[list[Result], tuple[int, int]]:
+    """Every candidate's Result (module docstring), the probes simulated and asked for."""
+    groups = ordered(items, wl, slo)
+    results = [r for g in groups for r, _ in g]
+    bar = tqdm(total=len(results), unit="deployment", desc="plan", disable=not progress, leave=False)
+    run = Runner(jobs, budget_s, slo, fast, cache_dir, bar)
+    try:
+        if not fast:
+            run([(res, cfg, None) for res, cfg in sorted(
+                (rc for g in groups for rc in g), key=lambda rc: -rc[1].parallel.pp)])
+        else:
+            fast_phases(run, groups)
+    finally:
+        run.close()
+        bar.close()
+    return results, (run.simulated, run.asked)
+
+
+def fast_phases(run: "Runner", groups: list[list[tuple[Result, Config]]]) -> None:
+    """The fast path: (1) every layout's first candidate to its capacity; (2) every other
+    one against its layout's best, one probe at most; (3) those that passed, searched on
+    one after the other within their layout, each against the best so far (their probe
+    of (2) comes back from the cache): the same answer as searching each layout in order,
+    with the processes busy in (1) and (2)."""
+    run([g[0] + (None,) for g in sorted(groups, key=lambda g: -g[0][1].parallel.pp)])
+    rest = [(res, cfg, g[0][0].k) for g in groups for res, cfg in g[1:]]
+    run(rest, climb=False)
+    passed = [[(res, cfg) for res, cfg in g[1:] if res.outcome == PASSED] for g in groups]
+    run.layouts([(g[0][0].k, p) for g, p in zip(groups, passed) if p])
+
+
+def search_in_order(best: int | None, items: list[tuple[Result, Config]], slo: Slo,
+                    fast: bool, cache_dir: str | None) -> tuple[list[Result], tuple[int, int]]:
+    """Candidates of one layout searched one after the other, each against the best so far."""
+    simulated = asked = 0
+    for i, (res, cfg) in enumerate(items):
+        fresh = Result(res.candidate, res.bound_qps, res.order)
+        got, (n, m) = search_candidate(fresh, cfg, slo, fast, cache_dir, best)
+        items[i] = (got, cfg)
+        simulated, asked = simulated + n, asked + m
+        if got.k is not None and (best is None or got.k > best):
+            best = got.k
+    return [r for r, _ in items], (simulated, asked)
+
+
+def ordered(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo
+            ) -> list[list[tuple[Result, Config]]]:
+    """Candidates grouped by layout, each group in search order: the SLO-driven uniform
+    first, then the highest bound per GPU (discounted where a rough TBT, `likely_tbt_s`,
+    is over the SLO); `Result.order` is the place in it (ties go to the earlier)."""
+    by_layout: dict[Layout, list[tuple[tuple, Result, Config]]] = {}
+    for cand, cfg in items:
+        res = Result(cand, upper_bound(cfg, wl, cand.layout.replicas))
+        per_gpu = res.bound_qps / cand.layout.gpus
+        key = (cand.slo_ms is None, -per_gpu * min(1.0, slo.tbt_s / likely_tbt_s(cfg, wl.tokens)))
+        by_layout.setdefault(cand.layout, []).append((key, res, cfg))
+    groups = []
+    for group in by_layout.values():
+        group.sort(key=lambda x: x[0])  # stable: equal keys keep the space's order
+        for i, (_, res, _) in enumerate(group):
+            res.order = i
+        groups.append([(res, cfg) for _, res, cfg in group])
+    return groups
+
+
+class Runner:
+    """Runs batches of candidate searches in `jobs` processes; no new one after the budget."""
+
+    def __init__(self, jobs: int, budget_s: float, slo: Slo, fast: bool, cache_dir: str | None,
+                 bar: tqdm):
+        ctx = multiprocessing.get_context("spawn")  # no fork of a threaded parent
+        self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+        self.jobs, self.deadline = jobs, time.monotonic() + budget_s
+        self.args, self.bar, self.simulated, self.asked = (slo, fast, cache_dir), bar, 0, 0
+
+    def __call__(self, tasks: list[tuple[Result, Config, int | None]], climb: bool = True) -> None:
+        pending, running = list(tasks), {}
         while pending or running:
-            while pending and len(running) < jobs:
-                res, cfg = pending.pop(0)
-                if best and res.bound_qps / res.candidate.layout.gpus <= best * (1 + REL_TOL):
-                    res.outcome = "bound"
-                    bar.update(1)
-                    continue
-                if time.monotonic() - t0 > budget_s:
+            while pending and len(running) < 2 * self.jobs:  # a few queued: no idle worker
+                res, cfg, best = pending.pop(0)
+                if time.monotonic() > self.deadline:
                     res.outcome = "budget"
-                    bar.update(1)
+                    self.bar.update(1)
                     continue
-                start = best * res.candidate.layout.gpus
-                running[pool.submit(evaluate, res.candidate, cfg, res.bound_qps, start, slo)] = res
+                running[self.pool.submit(search_candidate, res, cfg, *self.args, best, climb)] = res
             if not running:
                 continue
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for fut in done:
                 slot = running.pop(fut)
-                got = fut.result()
+                got, (n, m) = fut.result()
                 slot.__dict__.update(got.__dict__)
-                best = max(best, slot.per_gpu)
-                bar.update(1)
-                bar.set_postfix_str(f"best {best:.4f} req/s/GPU", refresh=False)
-    bar.close()
-    return results
+                self.simulated, self.asked = self.simulated + n, self.asked + m
+                self.bar.update(climb or got.outcome != PASSED)
+
+    def layouts(self, tasks: list[tuple[int | None, list[tuple[Result, Config]]]]) -> None:
+        """Each task's candidates in order in one process (`search_in_order`)."""
+        futs = {self.pool.submit(search_in_order, best, items, *self.args): items
+                for best, items in tasks}
+        for fut in futs:
+            got, (n, m) = fut.result()
+            for (slot, _), new in zip(futs[fut], got):
+                slot.__dict__.update(new.__dict__)
+                self.bar.update(1)
+            self.simulated, self.asked = self.simulated + n, self.asked + m
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)

@@ -4,12 +4,16 @@ A layout is tp x pp GPUs per replica and replicas = gpus // (tp x pp): tp within
 and dividing the query heads, the KV heads and the FFN (the cuts tensor parallelism
 makes), pp dividing the layers. A candidate is a layout and its knobs: planner, chunk size
 C, micro-batches in flight (pp + 1, or pp), layer split (even, or `auto`: balanced by the
-cost model) and B, sequences per micro-batch. The KV cache is paged, its blocks what the
-device leaves after the weights on the fullest stage (`cache.num_blocks: auto`), so B
-comes from memory: the requests the blocks hold at the workload's mean length, shared by
-the micro-batches in flight (at most `MAX_B`, and at most half the chunk: the decodes a
-tile-aligned chunk carries leave it at least half its prefill tokens). An `auto` split the same as the even one is
-searched once.
+cost model, resolved here once per layout) and B, sequences per micro-batch.
+The KV cache is paged, its blocks what the device leaves after the weights on the fullest
+stage (`cache.num_blocks: auto`), so B comes from memory: the requests the blocks hold at
+the workload's mean length, shared by the micro-batches in flight (at most `MAX_B`, and
+at most half the chunk: the decodes a tile-aligned chunk carries leave it at least half
+its prefill tokens). An `auto` split the same as the even one is searched once.
+Where `uniform` is searched, beside its fixed-knob deployments every layout and depth gets
+the SLO-driven `uniform`
+(`planner.tbt_slo_ms` / `ttft_slo_ms` from the plan's SLOs, no C or B: its budget sizes
+every micro-batch; "uniform targets" in the tables).
 
 Out before anything is simulated, each with its reason (`Out`):
   memory   the weights do not fit, or the KV blocks left do not hold the longest request;
@@ -24,7 +28,7 @@ import math
 from dataclasses import dataclass, replace
 
 from pp_runtime.costmodel import memory
-from pp_runtime.config import Config, ConfigError
+from pp_runtime.config import Config, ConfigError, even_split
 
 MAX_B = 128  # sequences per micro-batch at most (a bigger B only lengthens the decode tail)
 
@@ -48,26 +52,29 @@ class Layout:
 class Candidate:
     layout: Layout
     planner: str
-    chunk_size: int
-    max_batch_size: int
+    chunk_size: int | None  # None: the SLO-driven uniform (its budget sizes micro-batches)
+    max_batch_size: int | None
     in_flight: int
     layer_split: str  # "even" or "auto"
+    slo_ms: tuple[float, float] | None = None  # (TBT, TTFT) targets of the SLO-driven uniform
 
     @property
     def name(self) -> str:
-        return (f"{self.layout.name} {self.planner} C{self.chunk_size} B{self.max_batch_size} "
-                f"depth {self.in_flight} {self.layer_split}")
+        knobs = "targets" if self.slo_ms else f"C{self.chunk_size} B{self.max_batch_size}"
+        return f"{self.layout.name} {self.planner} {knobs} depth {self.in_flight} {self.layer_split}"
 
     def config(self, base: Config) -> Config:
         """base (model, hardware, cache, workload) deployed as this candidate: one replica
         (the simulator's dp is the layout's replicas, which each serve 1/replicas of the
         traffic: `search` simulates one at that share)."""
         p = self.layout
+        tbt, ttft = self.slo_ms or (None, None)
         return base.with_overrides(**{
             "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.dp": 1,
             "parallel.layer_split": "auto" if self.layer_split == "auto" and p.pp > 1 else "even",
             "planner.planner": self.planner, "planner.chunk_size": self.chunk_size,
-            "planner.max_batch_size": self.max_batch_size, "planner.in_flight": self.in_flight})
+            "planner.max_batch_size": self.max_batch_size, "planner.in_flight": self.in_flight,
+            "planner.tbt_slo_ms": tbt, "planner.ttft_slo_ms": ttft})
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,38 @@ def batch_size(cfg: Config, lengths: list[int], in_flight: int) -> int:
     return max(1, min(MAX_B, held // in_flight))
 
 
+_COSTS: dict = {}
+_SPLITS: dict = {}
+
+
+def cost_model(cfg: Config):
+    """`build_cost_model(cfg)`, one per (model, hardware, runtime, tp, layers per stage) in
+    this process: what it prices depends on nothing else (its per-token tables grow on
+    demand), and building one reads the profile's tables."""
+    from pp_runtime.costmodel import build_cost_model
+
+    key = (cfg.model, cfg.hardware, cfg.runtime, cfg.parallel.tp, tuple(cfg.layers_per_stage()))
+    if key not in _COSTS:
+        _COSTS[key] = build_cost_model(cfg)
+    return _COSTS[key]
+
+
+def resolve_split(cfg: Config) -> Config:
+    """cfg with an `auto` layer split written out, chosen once per layout (tp, pp): the
+    balance of the micro-batches typical at the planner's default C and B (costmodel/
+    balance.py), not again for every knob (0.04 s each, and the cut moves by a layer at
+    most between chunk sizes)."""
+    if cfg.parallel.layer_split != "auto":
+        return cfg
+    key = (cfg.parallel.tp, cfg.parallel.pp)
+    if key not in _SPLITS:
+        plain = cfg.with_overrides(**{"planner.in_flight": None, "planner.tbt_slo_ms": None,
+                                      "planner.ttft_slo_ms": None, "planner.chunk_size": None,
+                                      "planner.max_batch_size": None})
+        _SPLITS[key] = plain.layers_per_stage()
+    return cfg.with_overrides(**{"parallel.layer_split": list(_SPLITS[key])})
+
+
 def decode_floor_s(cost, pp: int) -> float:
     """One decode alone through every stage, sends included: no TBT can be shorter."""
     compute = sum(cost.stage_times([], [1]))
@@ -126,17 +165,18 @@ def decode_floor_s(cost, pp: int) -> float:
 
 
 def candidates(base: Config, gpus: int, planners: list[str], chunks: list[int],
-               lengths: list[int], tbt_slo: float) -> tuple[list[tuple[Candidate, Config]], list[Out]]:
-    """Every candidate that may meet the SLO (with its config), and what was left out."""
-    from pp_runtime.costmodel import build_cost_model
-
+               lengths: list[int], slo_s: tuple[float, float]
+               ) -> tuple[list[tuple[Candidate, Config]], list[Out]]:
+    """Every candidate that may meet the SLOs (TBT, TTFT in s), with its config, and what
+    was left out."""
     kept, out = [], []
+    tbt_slo = slo_s[0]
     for lay in layouts(base, gpus):
         probe = Candidate(lay, planners[0], chunks[0], 1, lay.pp, "even").config(base)
         why = memory_out(probe, lay, lengths)
         if why is None:
             try:
-                floor = decode_floor_s(build_cost_model(probe), lay.pp)
+                floor = decode_floor_s(cost_model(probe), lay.pp)
             except ConfigError as exc:  # e.g. a local profile without this tp's shapes
                 out.append(Out(lay.name, "cost model", str(exc)))
                 continue
@@ -148,21 +188,23 @@ def candidates(base: Config, gpus: int, planners: list[str], chunks: list[int],
             continue
         for depth in sorted({lay.pp + 1, lay.pp} if lay.pp > 1 else {1}, reverse=True):
             b = batch_size(probe, lengths, depth)
-            for planner in planners:
-                for c in chunks:
-                    even = None
-                    for split in ("even", "auto") if lay.pp > 1 else ("even",):
-                        cand = Candidate(lay, planner, c, max(1, min(b, c // 2)), depth, split)
-                        try:
-                            cfg = cand.config(base)
-                        except ConfigError as exc:  # e.g. a chunk the planner refuses
-                            out.append(Out(cand.name, "config", str(exc)))
-                            continue
-                        if split == "auto" and cfg.layers_per_stage() == even:
-                            continue  # balancing chose the even split: nothing new to search
-                        even = even or cfg.layers_per_stage()
-                        kept.append((cand, cfg))
+            knobs = [(p, c, max(1, min(b, c // 2)), None) for p in planners for c in chunks]
+            if "uniform" in planners:  # and the SLO-driven uniform, sized by its targets
+                knobs.append(("uniform", None, None, (slo_s[0] * 1e3, slo_s[1] * 1e3)))
+            for planner, c, rows, targets in knobs:
+                for split in ("even", "auto") if lay.pp > 1 else ("even",):
+                    cand = Candidate(lay, planner, c, rows, depth, split, targets)
+                    try:
+                        cfg = resolve_split(cand.config(base))
+                    except ConfigError as exc:  # e.g. a chunk the planner refuses
+                        out.append(Out(cand.name, "config", str(exc)))
+                        continue
+                    even = even_split(base.model.num_layers, lay.pp)
+                    if split == "auto" and cfg.layers_per_stage() == even:
+                        continue  # balancing chose the even split: nothing new to search
+                    kept.append((cand, cfg))
     return kept, out
+
 
 
 def with_share(cfg: Config, replicas: int, qps: float) -> Config:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from pp_runtime.bench.capacity import Probe, ServerProcess, capacity_search, meets
 from pp_runtime.config import Config, ConfigError, load_config
-from pp_runtime.plan.search import REL_TOL, SPAN_TTFTS, Result, Slo, evaluate, upper_bound
+from pp_runtime.plan.probe import SPAN_TTFTS
+from pp_runtime.plan.search import REL_TOL, Result, Slo, Workload, search_candidate, upper_bound
 from pp_runtime.plan.space import Candidate, Layout
 
 MAX_REAL_PROBES = 6
@@ -108,8 +109,9 @@ def validate(args, rank: list[Result], configs: dict, slo: Slo, out: Path) -> in
     table = []
     for label, cand, cfg in rows:
         cfg = replace(cfg, workload=replace(cfg.workload, num_requests=n))
-        bound = upper_bound(cfg, _mean_tokens(cfg), cand.layout.replicas)
-        predicted = evaluate(cand, cfg, bound, 0.0, slo).qps or 0.0
+        bound = upper_bound(cfg, _workload(cfg), cand.layout.replicas)
+        got, _ = search_candidate(Result(cand, bound), cfg, slo, False, None, None)
+        predicted = got.qps or 0.0
         log(f"  {label}: predicted {predicted:.3f} req/s; measuring ...")
         name = label.split()[0].strip("#") if label.startswith("#") else "reference"
         measured = measure(f"validate-{name}", cfg, cand.layout.replicas, slo,
@@ -134,8 +136,7 @@ def top_layouts(rank: list[Result], n: int) -> list[Result]:
     return list(best.values())[:n]
 
 
-def _mean_tokens(cfg: Config) -> float:
+def _workload(cfg: Config) -> Workload:
     from pp_runtime.core.workload import generate
 
-    specs = generate(cfg.workload)
-    return sum(s.prompt_len + s.output_len for s in specs) / len(specs)
+    return Workload.of([(s.prompt_len, s.output_len) for s in generate(cfg.workload)])

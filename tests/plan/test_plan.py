@@ -30,7 +30,8 @@ HAND = {"--model": "gpt2-small", "--gpus": "2", "--gpus-per-node": "1", "--memor
 
 def plan(flags: dict, tmp_path, timeout=300):
     argv = [x for k, v in flags.items() for x in (k, v)]
-    return subprocess.run(PLAN + argv + ["--quiet", "--out", str(tmp_path)], capture_output=True,
+    return subprocess.run(PLAN + argv + ["--quiet", "--out", str(tmp_path), "--cache",
+                                         str(tmp_path / "cache")], capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -61,9 +62,8 @@ def test_the_search_finds_the_deployment_known_by_hand(hand_plan):
     best_qps = rows[best]["capacity_qps"]
     for name, r in rows.items():  # whole prompts miss the TBT SLO where small chunks meet it
         if " C512 " in name:
-            assert r["outcome"] in ("lost at the best's rate", "searched"), (name, r)
+            assert r["outcome"] in ("lost at the layout's best", "searched", "bound"), (name, r)
             assert (r["capacity_qps"] or 0) < best_qps, (name, r)
-            assert r["probes"][0]["ok"] is False or r["capacity_qps"] < best_qps
     assert (out / "capacity_vs_latency.png").stat().st_size > 10_000
 
 
@@ -97,6 +97,8 @@ def test_the_winner_config_round_trips_through_run(hand_plan, tmp_path):
     (["--workload", "zipf:min_len"], "is not FIELD=VALUE"),
     (["--workload", "zipf:colour=3"], "unknown field(s) colour"),
     (["--planners", "fastest"], "--planners: unknown fastest"),
+    (["--chunk-sizes", "0,512"], "--chunk-sizes: expected numbers >= 1"),
+    (["--requests", "1"], "--requests"),
     (["--gpu", "tpu"], "--gpu: unknown device 'tpu'"),
 ])
 def test_inputs_nothing_can_serve_are_one_line_and_exit_2(tmp_path, args, says):

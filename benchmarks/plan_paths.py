@@ -1,0 +1,63 @@
+"""`pp-runtime plan`: the fast path against the exhaustive one, side by side in one run.
+
+Runs the same plan three times: fast with an empty probe cache, fast again on that cache
+(it should simulate nothing), and `--exhaustive --no-cache` (every candidate searched to
+its capacity, every probe in full). Prints each one's wall time, probes, winner and
+frontier, and whether the winners and frontiers are the same.
+
+    python benchmarks/plan_paths.py --out runs/plan_paths/gpt3 -- \\
+        --model gpt3-175b --gpus 64 --gpu a100-80gb --ttft-slo 5 --tbt-slo 0.2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run(name: str, argv: list[str], out: Path, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "pp_runtime.cli", "plan", *argv, "--quiet",
+           "--out", str(out / name), *extra]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        sys.exit(f"{name} failed: {done.stderr[-2000:]}")
+    probes = next(line for line in done.stdout.splitlines() if " probes, " in line)
+    plan = json.loads((out / name / "plan.json").read_text())
+    front = [(f["deployment"], round(f["per_gpu"], 6)) for f in plan["frontier"]]
+    print(f"{name:<22} wall {wall:6.1f} s  {probes.strip()}", flush=True)
+    print(f"{'':<22} winner: {plan['best']}", flush=True)
+    return {"wall": wall, "best": plan["best"], "frontier": front}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/plan_paths")
+    ap.add_argument("plan_args", nargs=argparse.REMAINDER, help="-- then `pp-runtime plan` flags")
+    args = ap.parse_args()
+    argv = [a for a in args.plan_args if a != "--"]
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    cache = ["--cache", str(out / "cache")]
+    fast = run("fast", argv, out, cache)
+    again = run("fast, cache warm", argv, out, cache)
+    full = run("exhaustive", argv, out, ["--exhaustive", "--no-cache"])
+    print(f"\nsame winner: {fast['best'] == full['best'] == again['best']}; same frontier: "
+          f"{fast['frontier'] == full['frontier'] == again['frontier']}; "
+          f"exhaustive / fast wall: {full['wall'] / fast['wall']:.1f}x")
+    for i, (name, per_gpu) in enumerate(fast["frontier"], 1):
+        print(f"  {i:02d} {name:<44} {per_gpu:.4f} req/s/GPU")
+    if fast["frontier"] != full["frontier"]:
+        print("exhaustive frontier:")
+        for i, (name, per_gpu) in enumerate(full["frontier"], 1):
+            print(f"  {i:02d} {name:<44} {per_gpu:.4f} req/s/GPU")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

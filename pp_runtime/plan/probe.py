@@ -1,0 +1,195 @@
+"""One probe of the plan: a candidate at one request rate on the simulator, stopped as soon
+as its SLO miss is certain, and kept on disk so that no probe is ever simulated twice.
+
+Rates sit on one grid per GPU for every candidate, `rate(k) = STEP ** k` req/s/GPU, so two
+searches that reach the same capacity reach the same number (the fast and the exhaustive
+path compare exactly). A probe simulates one replica at its share of the rate, with
+arrivals spanning at least SPAN_TTFTS TTFT SLOs (a sustained rate, not a burst).
+
+Early stop (`Watch`): p99 over n values (numpy's linear interpolation) exceeds x once
+n - floor(0.99 (n - 1)) of them exceed x. n is known before the run (one TTFT per request,
+at most one gap per output token), so the run stops when that many requests are past
+their TTFT deadline without a first token (or got it late), or that many token gaps
+exceed the TBT SLO: the answer ("misses") is the one the full run would give.
+
+The cache (`ProbeCache`): one JSON file per probe, keyed by the probe's whole config
+(layout, knobs, workload with its rate and length), the SLOs it was judged by, and a
+fingerprint of the code and the profile that price it; a second identical search reads
+every answer back.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+from pp_runtime.bench.capacity import Probe, meets
+from pp_runtime.config import Config
+from pp_runtime.plan.space import cost_model
+
+STEP = 1.05  # rate grid: one step is the search's resolution (5 %)
+SPAN_TTFTS = 10  # a probe's arrivals span at least this many TTFT SLOs
+MAX_REQUESTS = 5000  # and no probe simulates more requests than this
+CODE = ("core", "config", "planner", "costmodel", "engine", "executors/sim.py", "telemetry",
+        "plan/probe.py")  # what a probe's answer depends on (the cache's fingerprint)
+
+
+def rate(k: int) -> float:
+    """Grid point k: req/s per GPU."""
+    return STEP ** k
+
+
+def grid_index(per_gpu: float) -> int:
+    """The highest grid point at or below per_gpu (a hair of slack for float error)."""
+    return math.floor(math.log(per_gpu) / math.log(STEP) + 1e-9)
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float  # p99 time to first token
+    tbt_s: float  # p99 time between tokens
+
+
+class ClearMiss(Exception):
+    """Raised by `Watch` inside the simulation: the probe misses whatever comes next."""
+
+
+def _need(n: int) -> int:
+    """Values above x that put numpy's p99 of n values above x."""
+    return n - math.floor(0.99 * (n - 1))
+
+
+class Watch:
+    """Stops a simulation whose p99 TTFT or p99 TBT miss is certain (module docstring)."""
+
+    def __init__(self, slo: Slo, num_requests: int, num_tokens: int):
+        self.slo = slo
+        self.need_ttft, self.need_tbt = _need(num_requests), _need(max(1, num_tokens))
+        self.next = self.late = self.gap = self.slow = 0
+
+    def __call__(self, rec, requests, now: float) -> None:
+        ttft = self.slo.ttft_s
+        while self.next < len(requests) and requests[self.next].arrival_s + ttft < now:
+            r = requests[self.next]  # its deadline passed: on time or not is settled
+            self.late += r.first_token_s is None or r.first_token_s - r.arrival_s > ttft
+            self.next += 1
+        gaps, tbt = rec.token_gaps_s, self.slo.tbt_s
+        self.slow += sum(g > tbt for g in gaps[self.gap:])
+        self.gap = len(gaps)
+        if self.late >= self.need_ttft:
+            raise ClearMiss(f"p99 TTFT > {ttft:g} s certain at {now:.0f} s of the run")
+        if self.slow >= self.need_tbt:
+            raise ClearMiss(f"p99 TBT > {tbt * 1e3:.0f} ms certain at {now:.0f} s of the run")
+
+
+@lru_cache(maxsize=None)
+def code_fingerprint() -> str:
+    """sha256 of the package sources a probe's answer depends on (CODE)."""
+    root, h = Path(__file__).resolve().parents[1], hashlib.sha256()
+    for part in CODE:
+        p = root / part
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+@lru_cache(maxsize=None)
+def _profile_stamp(profile: str | None) -> str:
+    if not profile:
+        return ""
+    files = sorted(Path(profile).expanduser().glob("*"))
+    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.is_file())
+
+
+class ProbeCache:
+    """Probe answers on disk (module docstring); root None: nothing kept."""
+
+    def __init__(self, root: str | Path | None):
+        self.root = Path(root) if root else None
+        self.simulated = 0  # probes this process ran on the simulator (not read back)
+        self.asked = 0  # probes asked for (simulated or read back)
+
+    def key(self, cfg: Config, slo: Slo) -> str:
+        """The probe's config and SLOs (what "ok" and the early stop were judged by), the
+        code and the profile."""
+        text = json.dumps([cfg.to_dict(), [slo.ttft_s, slo.tbt_s], code_fingerprint(),
+                           _profile_stamp(cfg.hardware.profile)], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def get(self, key: str) -> dict | None:
+        if self.root is None or not (f := self.root / f"{key}.json").is_file():
+            return None
+        try:
+            return json.loads(f.read_text())
+        except (OSError, ValueError):  # a torn or foreign file: probe again
+            return None
+
+    def put(self, key: str, value: dict) -> None:
+        if self.root is None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, self.root / f"{key}.json")  # atomic: workers share the directory
+
+
+def probe_config(cfg: Config, replicas: int, per_gpu: float, slo: Slo) -> Config:
+    """One replica's config at its share of `per_gpu` x the layout's GPUs, its arrivals
+    spanning at least SPAN_TTFTS TTFT SLOs."""
+    gpus = cfg.parallel.tp * cfg.parallel.pp  # one replica's
+    wl = replace(cfg.workload, qps=round(per_gpu * gpus, 9))
+    span = math.ceil(wl.qps * SPAN_TTFTS * slo.ttft_s)
+    if wl.kind != "trace" and span > wl.num_requests:
+        wl = replace(wl, num_requests=min(span, MAX_REQUESTS))
+    return replace(cfg, workload=wl)
+
+
+def simulate_probe(one: Config, cost, slo: Slo, replicas: int, stop_early: bool) -> dict:
+    """The probe's answer as plain data: ok, the latencies, bubbles; or the certain miss."""
+    from pp_runtime.core.workload import generate
+    from pp_runtime.engine.simulate import simulate
+    from pp_runtime.telemetry.report import build_report
+
+    watch = None
+    if stop_early:
+        specs = generate(one.workload)
+        watch = Watch(slo, len(specs), sum(s.output_len for s in specs))
+    try:
+        s = build_report(simulate(one, cost, progress=False, watch=watch))["summary"]
+    except ClearMiss as miss:
+        return {"ok": False, "stopped": str(miss), "tbt_p99_s": None, "ttft_p99_s": None}
+    tbt, ttft = s["tbt_s"]["p99"], s["ttft_s"]["p99"]
+    failed = s["num_requests"] - s["finish_reasons"].get("length", 0)
+    return {"ok": meets(tbt, ttft, slo.tbt_s, slo.ttft_s, failed), "tbt_p99_s": tbt,
+            "ttft_p99_s": ttft, "failed": failed, "bubble_fraction": s["bubble_fraction"],
+            "bubble_by_cause": s["bubble_fraction_by_cause"],
+            "throughput_tok_s": s["throughput_tok_s"] * replicas,
+            "num_requests": s["num_requests"]}
+
+
+class Prober:
+    """probe(k) -> Probe of one candidate at grid point k (all replicas' rate in Probe.qps),
+    read back from the cache or simulated (stopped early on a certain miss if asked)."""
+
+    def __init__(self, cfg: Config, replicas: int, slo: Slo, cache: ProbeCache, stop_early: bool):
+        self.cfg, self.replicas, self.slo, self.cache = cfg, replicas, slo, cache
+        self.stop_early = stop_early
+        self.gpus = replicas * cfg.parallel.tp * cfg.parallel.pp
+
+    def __call__(self, k: int) -> Probe:
+        one = probe_config(self.cfg, self.replicas, rate(k), self.slo)
+        key = self.cache.key(one, self.slo)
+        got = self.cache.get(key)
+        self.cache.asked += 1
+        if got is None or (got.get("stopped") and not self.stop_early):
+            got = simulate_probe(one, cost_model(self.cfg), self.slo, self.replicas, self.stop_early)
+            self.cache.simulated += 1
+            self.cache.put(key, got)
+        return Probe(rate(k) * self.gpus, got["tbt_p99_s"], got["ttft_p99_s"], got["ok"],
+                     {**got, "k": k})

@@ -1,0 +1,82 @@
+"""The search's parts whose answer is known by hand: the grid capacity search finds the
+same grid point from any start (what makes the fast and the exhaustive path agree), the
+early stop never stops a probe the full run would pass, and the Pareto set of a hand-made
+set of layout points."""
+import numpy as np
+import pytest
+
+from pp_runtime.plan.frontier import pareto
+from pp_runtime.plan.probe import STEP, Slo, Watch, _need, grid_index, rate
+from pp_runtime.plan.search import Result, grid_capacity
+from pp_runtime.plan.space import Candidate, Layout
+
+
+@pytest.mark.parametrize("start", [-40, -12, -3, 0, 5, 30])
+@pytest.mark.parametrize("known", [None, -20, -8])
+def test_grid_capacity_finds_the_same_point_from_any_start(start, known):
+    cap = -7  # ok up to grid point -7, a miss above it
+    asked = []
+
+    def ok(k):
+        asked.append(k)
+        return k <= cap
+
+    got = grid_capacity(ok, start, top=20, floor=-60, known_ok=known)
+    assert got == cap
+    assert len(asked) <= 14, asked  # a bracket and a bisection, not a sweep
+
+
+def test_grid_capacity_none_when_nothing_meets_and_top_when_all_do():
+    assert grid_capacity(lambda k: False, 0, top=10, floor=-10) is None
+    assert grid_capacity(lambda k: True, 0, top=10, floor=-10) == 10
+
+
+def test_grid_points_sit_on_one_scale():
+    assert rate(grid_index(0.1303)) <= 0.1303 < rate(grid_index(0.1303) + 1)
+    assert rate(grid_index(rate(-41))) == pytest.approx(rate(-41)) and STEP == 1.05
+
+
+@pytest.mark.parametrize("n", [1, 2, 50, 99, 100, 101, 200, 257, 1000, 4999])
+def test_the_early_stop_count_is_exactly_where_p99_passes_the_slo(n):
+    need, slo, hair = _need(n), 1.0, 1e-6
+    values = np.full(n, slo + hair)
+    values[: n - need] = 0.0  # `need` values just above the SLO, the rest far below
+    assert np.percentile(values, 99) > slo  # the full run misses: stopping was right
+    if need > 1:
+        values[n - need] = 0.5  # one fewer above it: the full run may still pass
+        assert np.percentile(values, 99) <= slo
+
+
+class _Req:
+    def __init__(self, arrival_s, first_token_s):
+        self.arrival_s, self.first_token_s = arrival_s, first_token_s
+
+
+class _Rec:
+    token_gaps_s: list = []
+
+
+def test_watch_stops_only_once_the_miss_is_certain():
+    from pp_runtime.plan.probe import ClearMiss
+
+    reqs = [_Req(float(i), None) for i in range(100)]  # TTFT SLO 1 s; n = 100: need 2 late
+    w = Watch(Slo(ttft_s=1.0, tbt_s=0.1), num_requests=100, num_tokens=1000)
+    reqs[0].first_token_s = 0.5
+    w(_Rec(), reqs, 2.5)  # request 0 on time, request 1's deadline (2 s) passed without a token
+    assert w.late == 1
+    with pytest.raises(ClearMiss, match="p99 TTFT"):
+        w(_Rec(), reqs, 3.5)  # request 2 late too: 2 of 100 is past p99
+
+
+def _point(tp, pp, replicas, k, tbt, ttft) -> Result:
+    r = Result(Candidate(Layout(tp, pp, replicas), "uniform", None, None, pp, "even", (200, 5000)), 1.0)
+    r.k, r.outcome, r.detail = k, "searched", {"tbt_p99_s": tbt, "ttft_p99_s": ttft}
+    return r
+
+
+def test_pareto_keeps_the_points_no_other_beats_on_every_axis():
+    a = _point(8, 4, 2, -40, 0.150, 4.0)  # the most per GPU
+    b = _point(4, 8, 2, -45, 0.120, 1.0)  # less per GPU, lower latencies: on it
+    c = _point(8, 8, 1, -46, 0.130, 2.0)  # b carries more at lower TBT and TTFT: off
+    d = _point(2, 16, 2, -50, 0.100, 3.0)  # the lowest TBT: on it
+    assert pareto([c, d, b, a]) == [a, b, d]
