@@ -47,9 +47,9 @@ def add_parser(sub) -> None:
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, help="parallel processes (default: the cores)")
     p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table")
     p.add_argument("--validate", type=non_negative_int, nargs="?", const=2, default=0, metavar="N",
-                   help="run the best of each of the top N layouts (default 2) and a reference "
-                        "config for real on this machine's CPU pipeline: predicted / measured "
-                        "capacity (small models, pp <= 2)")
+                   help="run the first N frontier points (default 2; the winner first) and a "
+                        "reference config for real on this machine's CPU pipeline: predicted / "
+                        "measured capacity per point (small models, pp <= 2)")
     p.add_argument("--validate-requests", type=positive_int, default=32,
                    help="requests per real probe in --validate (default 32)")
     p.add_argument("--reference", default="cpu/gpt2_pp2", help="--validate also measures this config")
@@ -208,7 +208,7 @@ def finish(args, base, configs, results, outs, slo, lengths, elapsed) -> int:
           f"{out / 'frontier'}/NN.yaml, {out / 'plan.json'}")
     if args.validate:
         from pp_runtime.plan.validate import validate
-        return validate(args, rank, configs, slo, out)
+        return validate(args, front, configs, slo, out)
     return 0
 
 

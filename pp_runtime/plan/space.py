@@ -3,8 +3,9 @@
 A layout is tp x pp GPUs per replica and replicas = gpus // (tp x pp): tp within a node
 and dividing the query heads, the KV heads and the FFN (the cuts tensor parallelism
 makes), pp dividing the layers. A candidate is a layout and its knobs: planner, chunk size
-C, micro-batches in flight (pp + 1, or pp), layer split (even, or `auto`: balanced by the
-cost model, resolved here once per layout) and B, sequences per micro-batch.
+C, micro-batches in flight (pp + 1, or pp), layer split (even; `auto`: balanced by the
+cost model, resolved here once per layout; `memory`: the most KV blocks, `memory_split`)
+and B, sequences per micro-batch.
 The KV cache is paged, its blocks what the device leaves after the weights on the fullest
 stage (`cache.num_blocks: auto`), so B comes from memory: the requests the blocks hold at
 the workload's mean length, shared by the micro-batches in flight (at most `MAX_B`, and
@@ -186,24 +187,67 @@ def candidates(base: Config, gpus: int, planners: list[str], chunks: list[int],
         if why is not None:
             out.append(why)
             continue
-        for depth in sorted({lay.pp + 1, lay.pp} if lay.pp > 1 else {1}, reverse=True):
-            b = batch_size(probe, lengths, depth)
+        kept += layout_candidates(base, lay, probe, planners, chunks, lengths, slo_s, out)
+    return kept, out
+
+
+def layout_candidates(base: Config, lay: Layout, probe: Config, planners: list[str],
+                      chunks: list[int], lengths: list[int], slo_s: tuple[float, float],
+                      out: list[Out]) -> list[tuple[Candidate, Config]]:
+    """One layout's candidates: every depth, split and knob (module docstring)."""
+    kept, even = [], even_split(base.model.num_layers, lay.pp)
+    mem = memory_split(probe) if lay.pp > 1 else None
+    for depth in sorted({lay.pp + 1, lay.pp} if lay.pp > 1 else {1}, reverse=True):
+        for split in ("even", "auto", "memory") if lay.pp > 1 else ("even",):
+            if split == "memory" and mem is None:
+                continue
+            layers = mem if split == "memory" else None
+            b = batch_size(with_layers(probe, layers), lengths, depth)
             knobs = [(p, c, max(1, min(b, c // 2)), None) for p in planners for c in chunks]
             if "uniform" in planners:  # and the SLO-driven uniform, sized by its targets
                 knobs.append(("uniform", None, None, (slo_s[0] * 1e3, slo_s[1] * 1e3)))
             for planner, c, rows, targets in knobs:
-                for split in ("even", "auto") if lay.pp > 1 else ("even",):
-                    cand = Candidate(lay, planner, c, rows, depth, split, targets)
-                    try:
-                        cfg = resolve_split(cand.config(base))
-                    except ConfigError as exc:  # e.g. a chunk the planner refuses
-                        out.append(Out(cand.name, "config", str(exc)))
-                        continue
-                    even = even_split(base.model.num_layers, lay.pp)
-                    if split == "auto" and cfg.layers_per_stage() == even:
-                        continue  # balancing chose the even split: nothing new to search
-                    kept.append((cand, cfg))
-    return kept, out
+                cand = Candidate(lay, planner, c, rows, depth, split, targets)
+                try:
+                    cfg = with_layers(resolve_split(cand.config(base)), layers)
+                except ConfigError as exc:  # e.g. a chunk the planner refuses
+                    out.append(Out(cand.name, "config", str(exc)))
+                    continue
+                if split == "auto" and cfg.layers_per_stage() in (even, mem):
+                    continue  # balancing chose a split searched anyway: nothing new
+                kept.append((cand, cfg))
+    return kept
+
+
+def with_layers(cfg: Config, layers: list[int] | None) -> Config:
+    return cfg if layers is None else cfg.with_overrides(**{"parallel.layer_split": list(layers)})
+
+
+MAX_MOVED = 4  # layers the memory split takes off each end stage, at most
+
+
+def memory_split(cfg: Config) -> list[int] | None:
+    """The layer split that leaves the most KV blocks, or None where the even one does.
+    The pool is one size for every stage (`memory.kv_blocks`: what the fullest stage
+    leaves), and the first and last stages also hold the embedding and the LM head, so
+    they give up to MAX_MOVED layers each to the others (round robin); more KV means more
+    requests in flight, and the search prices the slower stages it costs."""
+    n, pp = cfg.model.num_layers, cfg.parallel.pp
+    even = even_split(n, pp)
+    best, most = None, memory.kv_blocks(with_layers(cfg, even))
+    for a in range(MAX_MOVED + 1):
+        for b in range(MAX_MOVED + 1):
+            split = list(even)
+            split[0], split[-1] = split[0] - a, split[-1] - b
+            takers = list(range(1, pp - 1)) or ([pp - 1] if a else [0])
+            for i in range(a + b):
+                split[takers[i % len(takers)]] += 1
+            if min(split) < 1 or split == even or sum(split) != n:
+                continue
+            blocks = memory.kv_blocks(with_layers(cfg, split))
+            if blocks > most:
+                best, most = split, blocks
+    return best
 
 
 

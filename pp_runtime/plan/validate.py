@@ -1,5 +1,6 @@
-"""`pp-runtime plan --validate N`: the best deployment of each of the plan's top N layouts
-and a reference config, for real.
+"""`pp-runtime plan --validate N`: the first N points of the plan's frontier (the winner
+first, then the next most throughput per GPU at lower latency) and a reference config,
+for real.
 
 Each deployment is written as a config (`report.write_config`), served by `replicas`
 `pp-runtime serve` processes on 127.0.0.1, and its capacity searched with the load
@@ -90,7 +91,8 @@ def measure(name: str, cfg: Config, replicas: int, slo: Slo, start: float, out: 
 
 
 def validate(args, rank: list[Result], configs: dict, slo: Slo, out: Path) -> int:
-    """Predicted / measured capacity of the top N and of --reference (module docstring)."""
+    """Predicted / measured capacity of the first N of `rank` (the frontier, one point per
+    layout) and of --reference (module docstring)."""
     log = lambda text: print(text, flush=True)  # noqa: E731
     chosen = top_layouts(rank, args.validate)
     if any(r.candidate.layout.pp > 2 or configs[r.candidate].hardware.gpu != "cpu" for r in chosen):

@@ -80,3 +80,23 @@ def test_pareto_keeps_the_points_no_other_beats_on_every_axis():
     c = _point(8, 8, 1, -46, 0.130, 2.0)  # b carries more at lower TBT and TTFT: off
     d = _point(2, 16, 2, -50, 0.100, 3.0)  # the lowest TBT: on it
     assert pareto([c, d, b, a]) == [a, b, d]
+
+
+def test_memory_split_gives_the_end_stages_fewer_layers_where_that_frees_kv():
+    from pp_runtime.config import Config, load_model_config
+    from pp_runtime.costmodel import memory
+    from pp_runtime.plan.space import memory_split, with_layers
+
+    def cfg(model, pp, tp, gb):
+        return Config(model=load_model_config(model)).with_overrides(**{
+            "parallel.pp": pp, "parallel.tp": tp, "cache.paged": True, "cache.num_blocks": "auto",
+            "cache.device_memory_gb": gb})
+
+    # GPT-2 small: the embedding (38.6 M parameters) outweighs 5 layers (7.1 M each), so the
+    # end stages, which hold it and the LM head, run out of KV room first
+    small = cfg("gpt2-small", 3, 1, 0.5)
+    split = memory_split(small)
+    assert split is not None and split[0] < 4 and split[-1] < 4 and sum(split) == 12
+    assert memory.kv_blocks(with_layers(small, split)) > memory.kv_blocks(with_layers(small, [4, 4, 4]))
+    # GPT-3 at tp 8: a layer (0.45 GB a rank) outweighs the embedding (0.15 GB): even is best
+    assert memory_split(cfg("gpt3-175b", 4, 8, 80)) is None
