@@ -25,3 +25,14 @@ def test_b_0_says_one_requests_kv_does_not_fit_beside_the_weights():
 
 def test_a_nonzero_b_has_no_explanation():
     assert "B=0" not in memory("--config", "paper/gpt3_tp8", "--device-memory-gb", "80")
+
+
+def test_qwen3_32b_is_priced_with_its_128_wide_heads(tmp_path):
+    """M_S = 32.76B parameters x 2 bytes / (tp x pp); m_kv = K and V of 64 / pp layers,
+    8 / tp KV heads of 128, bf16 (not hidden / heads = 80 wide)."""
+    cfg = tmp_path / "qwen3.yaml"
+    cfg.write_text("model: qwen3-32b\nparallel: {tp: 4, pp: 2}\n"
+                   "cache: {device_memory_gb: 80, max_seq_len: 8192}\n")
+    out = memory("--config", str(cfg))
+    assert f"M_S={32_762_123_264 * 2 / 8 / 2**30:.2f} GiB" in out
+    assert f"m_kv={2 * 32 * 2 * 128 * 2} B/token" in out
