@@ -1,5 +1,6 @@
 """`pp-runtime serve` on the llama family's other checkpoints, driven by the official
-`openai` client: a Qwen2 and a Qwen3 checkpoint (random weights), each with a byte-level BPE
+`openai` client: LLaMA-3 (llama3 RoPE scaling), Qwen2, Qwen3 and Mistral (window 16, which
+the prompts pass) checkpoints (random weights), each with a byte-level BPE
 tokenizer and a ChatML chat template built here and saved beside the weights, loaded by the
 server from the checkpoint directory. Completions and chat, whole and streamed: the token
 ids are transformers' greedy ones, and the text is the tokenizer's decode of them, across
@@ -41,7 +42,7 @@ def save_tokenizer(path):
     return fast
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama3", "qwen2", "qwen3", "mistral"])
 def served(request, tmp_path_factory):
     """(transformers model, tokenizer, server, openai client)."""
     from conftest import hf_model
