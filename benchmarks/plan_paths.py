@@ -1,8 +1,9 @@
 """`pp-runtime plan`: the fast path against the exhaustive one, side by side in one run.
 
 Runs the same plan three times: fast with an empty probe cache, fast again on that cache
-(it should simulate nothing), and `--exhaustive --no-cache` (every candidate searched to
-its capacity, every probe in full). Prints each one's wall time, probes, winner and
+(it should simulate nothing), and `--exhaustive --no-cache --budget-minutes 120` (every
+candidate searched to its capacity, every probe in full; a run the budget cut short is an
+error). Prints each one's wall time, probes, winner and
 frontier, and whether the winners and frontiers are the same.
 
     python benchmarks/plan_paths.py --out runs/plan_paths/gpt3 -- \\
@@ -27,7 +28,11 @@ def run(name: str, argv: list[str], out: Path, extra: list[str]) -> dict:
     wall = time.perf_counter() - t0
     if done.returncode:
         sys.exit(f"{name} failed: {done.stderr[-2000:]}")
+    (out / f"{name.replace(' ', '_').replace(',', '')}.log").write_text(done.stdout)
     probes = next(line for line in done.stdout.splitlines() if " probes, " in line)
+    left = next(line for line in done.stdout.splitlines() if line.startswith("searched "))
+    if " 0 left by the budget" not in left:
+        sys.exit(f"{name}: the time budget cut the search short: {left}")
     plan = json.loads((out / name / "plan.json").read_text())
     front = [(f["deployment"], round(f["per_gpu"], 6)) for f in plan["frontier"]]
     print(f"{name:<22} wall {wall:6.1f} s  {probes.strip()}", flush=True)
@@ -46,7 +51,7 @@ def main() -> int:
     cache = ["--cache", str(out / "cache")]
     fast = run("fast", argv, out, cache)
     again = run("fast, cache warm", argv, out, cache)
-    full = run("exhaustive", argv, out, ["--exhaustive", "--no-cache"])
+    full = run("exhaustive", argv, out, ["--exhaustive", "--no-cache", "--budget-minutes", "120"])
     print(f"\nsame winner: {fast['best'] == full['best'] == again['best']}; same frontier: "
           f"{fast['frontier'] == full['frontier'] == again['frontier']}; "
           f"exhaustive / fast wall: {full['wall'] / fast['wall']:.1f}x")

@@ -56,7 +56,12 @@ class Slo:
 
 
 class ClearMiss(Exception):
-    """Raised by `Watch` inside the simulation: the probe misses whatever comes next."""
+    """Raised by `Watch` inside the simulation: the probe misses whatever comes next.
+    served_qps: the requests finished per second until then (where to look next)."""
+
+    def __init__(self, what: str, served_qps: float):
+        super().__init__(what)
+        self.served_qps = served_qps
 
 
 def _need(n: int) -> int:
@@ -81,10 +86,11 @@ class Watch:
         gaps, tbt = rec.token_gaps_s, self.slo.tbt_s
         self.slow += sum(g > tbt for g in gaps[self.gap:])
         self.gap = len(gaps)
-        if self.late >= self.need_ttft:
-            raise ClearMiss(f"p99 TTFT > {ttft:g} s certain at {now:.0f} s of the run")
-        if self.slow >= self.need_tbt:
-            raise ClearMiss(f"p99 TBT > {tbt * 1e3:.0f} ms certain at {now:.0f} s of the run")
+        what = (f"p99 TTFT > {ttft:g} s" if self.late >= self.need_ttft else
+                f"p99 TBT > {tbt * 1e3:.0f} ms" if self.slow >= self.need_tbt else None)
+        if what:
+            served = sum(r.finish_reason is not None for r in requests) / now if now > 0 else 0.0
+            raise ClearMiss(f"{what} certain at {now:.0f} s of the run", served)
 
 
 @lru_cache(maxsize=None)
@@ -151,7 +157,8 @@ def probe_config(cfg: Config, replicas: int, per_gpu: float, slo: Slo) -> Config
 
 
 def simulate_probe(one: Config, cost, slo: Slo, replicas: int, stop_early: bool) -> dict:
-    """The probe's answer as plain data: ok, the latencies, bubbles; or the certain miss."""
+    """The probe's answer as plain data: ok, the latencies, bubbles; or the certain miss;
+    and the requests one replica finished per second (served_qps)."""
     from pp_runtime.core.workload import generate
     from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import build_report
@@ -163,14 +170,16 @@ def simulate_probe(one: Config, cost, slo: Slo, replicas: int, stop_early: bool)
     try:
         s = build_report(simulate(one, cost, progress=False, watch=watch))["summary"]
     except ClearMiss as miss:
-        return {"ok": False, "stopped": str(miss), "tbt_p99_s": None, "ttft_p99_s": None}
+        return {"ok": False, "stopped": str(miss), "tbt_p99_s": None, "ttft_p99_s": None,
+                "served_qps": miss.served_qps}
     tbt, ttft = s["tbt_s"]["p99"], s["ttft_s"]["p99"]
     failed = s["num_requests"] - s["finish_reasons"].get("length", 0)
     return {"ok": meets(tbt, ttft, slo.tbt_s, slo.ttft_s, failed), "tbt_p99_s": tbt,
             "ttft_p99_s": ttft, "failed": failed, "bubble_fraction": s["bubble_fraction"],
             "bubble_by_cause": s["bubble_fraction_by_cause"],
             "throughput_tok_s": s["throughput_tok_s"] * replicas,
-            "num_requests": s["num_requests"]}
+            "num_requests": s["num_requests"],
+            "served_qps": s["num_requests"] / s["makespan_s"] if s["makespan_s"] else 0.0}
 
 
 class Prober:

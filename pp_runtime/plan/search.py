@@ -109,10 +109,14 @@ def likely_tbt_s(cfg: Config, mean_tokens: float) -> float:
 
 
 def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
-                  known_ok: int | None = None) -> int | None:
+                  known_ok: int | None = None,
+                  hint: Callable[[int], int | None] | None = None) -> int | None:
     """The highest k in [floor, top] with ok(k), ok taken as monotone (true up to the
-    capacity, false above); None if none is. known_ok: a k already known ok."""
-    lo, hi, jump = known_ok, None, FIRST_JUMP
+    capacity, false above); None if none is. known_ok: a k already known ok. hint(k), after
+    k missed: a grid point it suggests (the rate the miss still served): the next probe goes
+    no higher, and from one that passes there the search climbs in small steps. Which
+    points are probed changes, not the answer."""
+    lo, hi, jump, hinted = known_ok, None, FIRST_JUMP, False
     if lo is not None and lo >= top:
         return lo
     if lo is not None:  # just above a known best: most candidates that pass it pass it by little
@@ -130,11 +134,17 @@ def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
                 break
             if k <= floor:
                 return None
-            k = max(k - jump, floor)
+            guess = hint(k) if hint else None
+            hinted = guess is not None and guess < k - jump
+            k = max(floor, guess if hinted else k - jump)
         jump *= 2
-    while hi is not None and hi - lo > 1:  # bisect to one grid step
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    step = 1 if hinted else 0  # gallop up from a hinted point, else bisect
+    while hi is not None and hi - lo > 1:
+        mid = min(lo + step, (lo + hi) // 2) if step else (lo + hi) // 2
+        if ok(mid):
+            lo, step = mid, 2 * step
+        else:
+            hi, step = mid, 0
     return lo
 
 
@@ -182,7 +192,12 @@ def _search_one(res: Result, cfg: Config, slo: Slo, fast: bool, cache: ProbeCach
             res.outcome = PASSED
             return
         known = best + 1
-    res.k = grid_capacity(ok, grid_index(res.bound_qps / lay.gpus * START), top, floor, known)
+    def served(k: int) -> int | None:  # where a miss suggests looking: the rate it served
+        per_gpu = (seen[k].detail.get("served_qps") or 0.0) / (cfg.parallel.tp * cfg.parallel.pp)
+        return grid_index(per_gpu) if per_gpu > 0 else None
+
+    res.k = grid_capacity(ok, grid_index(res.bound_qps / lay.gpus * START), top, floor, known,
+                          served)
     res.outcome = "searched"
     res.detail = (seen[res.k] if res.k is not None else res.probes[-1]).detail
 

@@ -49,7 +49,7 @@ def test_the_early_stop_count_is_exactly_where_p99_passes_the_slo(n):
 
 class _Req:
     def __init__(self, arrival_s, first_token_s):
-        self.arrival_s, self.first_token_s = arrival_s, first_token_s
+        self.arrival_s, self.first_token_s, self.finish_reason = arrival_s, first_token_s, None
 
 
 class _Rec:
@@ -100,3 +100,15 @@ def test_memory_split_gives_the_end_stages_fewer_layers_where_that_frees_kv():
     assert memory.kv_blocks(with_layers(small, split)) > memory.kv_blocks(with_layers(small, [4, 4, 4]))
     # GPT-3 at tp 8: a layer (0.45 GB a rank) outweighs the embedding (0.15 GB): even is best
     assert memory_split(cfg("gpt3-175b", 4, 8, 80)) is None
+
+
+@pytest.mark.parametrize("guess", [-30, -9, -7, -6, 0])
+def test_a_hint_after_a_miss_changes_the_probes_not_the_answer(guess):
+    asked = []
+
+    def ok(k):
+        asked.append(k)
+        return k <= -7
+
+    assert grid_capacity(ok, 5, top=20, floor=-60, hint=lambda k: guess) == -7
+    assert len(asked) <= 14, asked
