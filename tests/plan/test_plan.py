@@ -106,3 +106,13 @@ def test_inputs_nothing_can_serve_are_one_line_and_exit_2(tmp_path, args, says):
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], done.stderr
+
+
+def test_the_profile_calibration_is_said_in_one_line(tmp_path):
+    from pp_runtime.cli.plan import calibration_line
+
+    none = calibration_line(str(tmp_path))
+    assert none.startswith("calibration: none in ") and "--calibrate" in none and "\n" not in none
+    (tmp_path / "calibration.json").write_text('{"local/pp1": {}, "ray/pp2": {}}')
+    found = calibration_line(str(tmp_path))
+    assert "(local/pp1, ray/pp2)" in found and "\n" not in found
