@@ -2,8 +2,9 @@
 
 Runs the same plan three times: fast with an empty probe cache, fast again on that cache
 (it should simulate nothing), and `--exhaustive --no-cache --budget-minutes 120` (every
-candidate searched to its capacity, every probe in full; a run the budget cut short is an
-error). Prints each one's wall time, probes, winner and
+candidate searched to its capacity, probes stopped early as the fast path's are, which is
+exact; a run the budget cut short is an error; `--full-probes` is passed on with
+--full). Prints each one's wall time, probes, winner and
 frontier, and whether the winners and frontiers are the same.
 
     python benchmarks/plan_paths.py --out runs/plan_paths/gpt3 -- \\
@@ -43,6 +44,7 @@ def run(name: str, argv: list[str], out: Path, extra: list[str]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/plan_paths")
+    ap.add_argument("--full", action="store_true", help="the exhaustive path runs every probe in full")
     ap.add_argument("plan_args", nargs=argparse.REMAINDER, help="-- then `pp-runtime plan` flags")
     args = ap.parse_args()
     argv = [a for a in args.plan_args if a != "--"]
@@ -51,7 +53,8 @@ def main() -> int:
     cache = ["--cache", str(out / "cache")]
     fast = run("fast", argv, out, cache)
     again = run("fast, cache warm", argv, out, cache)
-    full = run("exhaustive", argv, out, ["--exhaustive", "--no-cache", "--budget-minutes", "120"])
+    full = run("exhaustive", argv, out, ["--exhaustive", "--no-cache", "--budget-minutes", "120"]
+               + (["--full-probes"] if args.full else []))
     print(f"\nsame winner: {fast['best'] == full['best'] == again['best']}; same frontier: "
           f"{fast['frontier'] == full['frontier'] == again['frontier']}; "
           f"exhaustive / fast wall: {full['wall'] / fast['wall']:.1f}x")

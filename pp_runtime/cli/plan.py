@@ -54,8 +54,10 @@ def add_parser(sub) -> None:
                    help="requests per real probe in --validate (default 32)")
     p.add_argument("--reference", default="cpu/gpt2_pp2", help="--validate also measures this config")
     p.add_argument("--exhaustive", action="store_true",
-                   help="search every candidate to its capacity, every probe in full (slow; "
-                        "the fast default gives the same winner and frontier)")
+                   help="search every candidate to its capacity (slow; the fast default gives "
+                        "the same winner and frontier)")
+    p.add_argument("--full-probes", action="store_true",
+                   help="run every probe to its end (no early stop once a miss is certain)")
     p.add_argument("--cache", default="runs/plan-cache",
                    help="probe answers kept here and read back (default runs/plan-cache)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor keep probe answers")
@@ -173,6 +175,7 @@ def cmd_plan(args) -> int:
     t0 = time.perf_counter()
     results, (simulated, probes) = search(items, Workload.of(pairs), slo, args.jobs, args.budget_minutes * 60,
                                 fast=not args.exhaustive, progress=not args.quiet,
+                                stop_early=not args.full_probes,
                                 cache_dir=None if args.no_cache else args.cache)
     elapsed = time.perf_counter() - t0
     print(f"\n{probes} probes, {simulated} simulated, {probes - simulated} read from the cache; "

@@ -10,13 +10,14 @@ Every candidate has an upper bound on its capacity from the cost model alone
 uniform first, then by bound), and a layout's best is its highest capacity, the earlier
 in that order on a tie, so the answer does not depend on which process finishes first.
 
-  exhaustive  every candidate searched to its capacity, each probe run in full;
+  exhaustive  every candidate searched to its capacity;
   fast        first every layout's first candidate, searched to its capacity k; then each
               other one is out without a probe where its bound is below rate(k + 1)
               ("bound"), else probed once at k + 1 and out when it misses there ("lost at
-              the layout's best"), else searched on from there. A probe that cannot meet
-              the SLOs any more stops early (`probe.Watch`). Every answer is cached
-              (`probe.ProbeCache`): a second identical search simulates nothing.
+              the layout's best"), else searched on from there.
+On both, a probe that cannot meet the SLOs any more stops early (`probe.Watch`; exact, off
+with stop_early False), and every answer is cached (`probe.ProbeCache`): a second
+identical search simulates nothing.
 Both give every layout the same capacity and the same best candidate, so the same winner
 and frontier.
 """
@@ -148,7 +149,7 @@ def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
     return lo
 
 
-def search_candidate(res: Result, cfg: Config, slo: Slo, fast: bool, cache_dir: str | None,
+def search_candidate(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache_dir: str | None,
                      best: int | None, climb: bool = True) -> tuple[Result, tuple[int, int]]:
     """One candidate searched (run in a worker process; module docstring); best: its
     layout's best grid point known (fast path, None: search it to its capacity); climb
@@ -159,17 +160,17 @@ def search_candidate(res: Result, cfg: Config, slo: Slo, fast: bool, cache_dir: 
     warnings.simplefilter("ignore", UserWarning)  # e.g. a chunk off the tile: said once by `plan`
     t0, cache = time.perf_counter(), ProbeCache(cache_dir)
     try:
-        _search_one(res, cfg, slo, fast, cache, best, climb)
+        _search_one(res, cfg, slo, stop_early, cache, best, climb)
     except ConfigError as exc:  # a deployment the simulator refuses: out, with its reason
         res.outcome, res.detail = "error", {"error": str(exc)}
     res.seconds = time.perf_counter() - t0
     return res, (cache.simulated, cache.asked)
 
 
-def _search_one(res: Result, cfg: Config, slo: Slo, fast: bool, cache: ProbeCache,
+def _search_one(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache: ProbeCache,
                 best: int | None, climb: bool) -> None:
     lay = res.candidate.layout
-    prober = Prober(cfg, lay.replicas, slo, cache, stop_early=fast)
+    prober = Prober(cfg, lay.replicas, slo, cache, stop_early)
     seen: dict[int, Probe] = {}
 
     def ok(k: int) -> bool:
@@ -204,12 +205,12 @@ def _search_one(res: Result, cfg: Config, slo: Slo, fast: bool, cache: ProbeCach
 
 def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: int,
            budget_s: float, fast: bool = True, cache_dir: str | None = None,
-           progress: bool = True) -> tuple[list[Result], tuple[int, int]]:
+           progress: bool = True, stop_early: bool = True) -> tuple[list[Result], tuple[int, int]]:
     """Every candidate's Result (module docstring), the probes simulated and asked for."""
     groups = ordered(items, wl, slo)
     results = [r for g in groups for r, _ in g]
     bar = tqdm(total=len(results), unit="deployment", desc="plan", disable=not progress, leave=False)
-    run = Runner(jobs, budget_s, slo, fast, cache_dir, bar)
+    run = Runner(jobs, budget_s, slo, stop_early, cache_dir, bar)
     try:
         if not fast:
             run([(res, cfg, None) for res, cfg in sorted(
@@ -236,12 +237,12 @@ def fast_phases(run: "Runner", groups: list[list[tuple[Result, Config]]]) -> Non
 
 
 def search_in_order(best: int | None, items: list[tuple[Result, Config]], slo: Slo,
-                    fast: bool, cache_dir: str | None) -> tuple[list[Result], tuple[int, int]]:
+                    stop_early: bool, cache_dir: str | None) -> tuple[list[Result], tuple[int, int]]:
     """Candidates of one layout searched one after the other, each against the best so far."""
     simulated = asked = 0
     for i, (res, cfg) in enumerate(items):
         fresh = Result(res.candidate, res.bound_qps, res.order)
-        got, (n, m) = search_candidate(fresh, cfg, slo, fast, cache_dir, best)
+        got, (n, m) = search_candidate(fresh, cfg, slo, stop_early, cache_dir, best)
         items[i] = (got, cfg)
         simulated, asked = simulated + n, asked + m
         if got.k is not None and (best is None or got.k > best):
@@ -272,12 +273,12 @@ def ordered(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo
 class Runner:
     """Runs batches of candidate searches in `jobs` processes; no new one after the budget."""
 
-    def __init__(self, jobs: int, budget_s: float, slo: Slo, fast: bool, cache_dir: str | None,
-                 bar: tqdm):
+    def __init__(self, jobs: int, budget_s: float, slo: Slo, stop_early: bool,
+                 cache_dir: str | None, bar: tqdm):
         ctx = multiprocessing.get_context("spawn")  # no fork of a threaded parent
         self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
         self.jobs, self.deadline = jobs, time.monotonic() + budget_s
-        self.args, self.bar, self.simulated, self.asked = (slo, fast, cache_dir), bar, 0, 0
+        self.args, self.bar, self.simulated, self.asked = (slo, stop_early, cache_dir), bar, 0, 0
 
     def __call__(self, tasks: list[tuple[Result, Config, int | None]], climb: bool = True) -> None:
         pending, running = list(tasks), {}

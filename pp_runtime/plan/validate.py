@@ -112,7 +112,7 @@ def validate(args, rank: list[Result], configs: dict, slo: Slo, out: Path) -> in
     for label, cand, cfg in rows:
         cfg = replace(cfg, workload=replace(cfg.workload, num_requests=n))
         bound = upper_bound(cfg, _workload(cfg), cand.layout.replicas)
-        got, _ = search_candidate(Result(cand, bound), cfg, slo, False, None, None)
+        got, _ = search_candidate(Result(cand, bound), cfg, slo, True, None, None)
         predicted = got.qps or 0.0
         log(f"  {label}: predicted {predicted:.3f} req/s; measuring ...")
         name = label.split()[0].strip("#") if label.startswith("#") else "reference"
