@@ -128,7 +128,7 @@ def with_checkpoint_model(cfg: Config, checkpoint: str | None) -> Config:
         return cfg
     import dataclasses
 
-    from pp_runtime.model.loader import model_config_from_hf, read_hf_config
+    from pp_runtime.model.hf_config import model_config_from_hf, read_hf_config  # no torch
 
     model = model_config_from_hf(read_hf_config(checkpoint), name=Path(checkpoint).name,
                                  where=f"{checkpoint}/config.json")

@@ -66,7 +66,7 @@ def cmd_serve(args) -> int:
     options = check_flags(args)  # before the config: the cheap checks first
     if args.checkpoint:  # a field that changes the math and is not implemented: refused
         from pp_runtime.model.checkpoint_fields import check_math_fields
-        from pp_runtime.model.loader import read_hf_config
+        from pp_runtime.model.hf_config import read_hf_config
         check_math_fields(read_hf_config(args.checkpoint), f"{args.checkpoint}/config.json")
     base = run_base_config(args)
     serving = {"prefix_caching": True} if not args.no_prefix_cache and base.cache.paged else {}

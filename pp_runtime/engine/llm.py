@@ -10,7 +10,7 @@ from pp_runtime.core import driver
 from pp_runtime.model.checkpoint_fields import check_math_fields
 from pp_runtime.config import Config, load_config
 from pp_runtime.executors import make_executor
-from pp_runtime.model.loader import model_config_from_hf, read_hf_config
+from pp_runtime.model.hf_config import model_config_from_hf, read_hf_config
 from pp_runtime.engine.online import Engine
 from pp_runtime.telemetry.report import RunResult
 from pp_runtime.core.request import (FinishReason, InvalidRequestError, RequestOutput, SamplingParams,

@@ -65,7 +65,7 @@ def _eos(hf: dict, vocab_size: int, name: str) -> int | None:
     eos = _first(hf.get("eos_token_id"))
     if eos is not None and not 0 <= eos < vocab_size:
         warnings.warn(f"{name}: eos_token_id {eos} is outside the vocabulary [0, {vocab_size}); "
-                      "generation will stop on max_tokens only", stacklevel=4)
+                      "generation will stop on max_tokens only", stacklevel=3)
         return None
     return eos
 
@@ -101,7 +101,8 @@ def model_config_from_hf(hf: dict, name: str = "checkpoint",
         )
     if kind in LLAMA_LIKE:
         check_math_fields(hf, where or f"{name}/config.json")
-        return ModelConfig(name=name, family="llama", **_llama_fields(hf, kind, name), **dtypes)
+        return ModelConfig(name=name, family="llama", eos_token_id=_eos(hf, hf["vocab_size"], name),
+                           **_llama_fields(hf, kind, name), **dtypes)
     raise ConfigError(f"model.family: unknown model family {kind!r} in {name}/config.json; "
                       f"supported model_type values: gpt2, {', '.join(LLAMA_LIKE)}")
 
@@ -137,5 +138,4 @@ def _llama_fields(hf: dict, kind: str, name: str) -> dict:
         qk_norm=kind == "qwen3",
         sliding_window=hf.get("sliding_window") if kind == "mistral" else None,
         tie_embeddings=hf.get("tie_word_embeddings", False),
-        eos_token_id=_eos(hf, hf["vocab_size"], name),
     )
