@@ -123,6 +123,7 @@ class PipelineClock:
         self.send = getattr(cost, "send_time", None)
         self.free = [0.0] * pp  # when each stage ends its last micro-batch (predicted)
         self.done: dict[int, float] = {}  # mb_id in flight -> predicted completion
+        self.sends: dict[int, list[float]] = {}  # tokens -> each stage's send (0 for stage 0)
 
     def times(self, prefills: Sequence[tuple[int, int]], kv: Sequence[int],
               scale: float) -> list[float]:
@@ -132,10 +133,14 @@ class PipelineClock:
 
     def completion(self, now: float, times: list[float], tokens: int) -> list[float]:
         """Each stage's predicted end for a micro-batch submitted now (committing nothing)."""
-        ends, prev = [], now
+        sends = self.sends.get(tokens)
+        if sends is None:  # a binary search asks for the same sizes again and again
+            sends = self.sends[tokens] = [self.send(tokens, s) if s and self.send else 0.0
+                                          for s in range(self.pp)]
+        ends, prev, free = [], now, self.free
         for s, t in enumerate(times):
-            ready = prev + (self.send(tokens, s) if s and self.send else 0.0)
-            start = ready if ready > self.free[s] else self.free[s]
+            ready = prev + sends[s]
+            start = ready if ready > free[s] else free[s]
             prev = start + t
             ends.append(prev)
         return ends
