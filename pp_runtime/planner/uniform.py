@@ -28,9 +28,9 @@ Rows are bounded by KV pages and by time, not by a hand count:
     `max_tokens` times the share finished requests used);
   - with a TBT target, admission also stops at the rows the period holds: depth x the
     decodes d that fit in T = 0.95 x S / depth beside the prompt tokens that keep pace with
-    them (d x the requests' prompt tokens per output token, or with a TTFT target
-    `planner.ttft_slo_ms` what the queue needs per micro-batch to reach its first tokens
-    in time, if more), at the running requests' mean mid-life KV length.
+    them (d x the requests' prompt tokens per output token), at the running requests' mean
+    mid-life KV length; with a TTFT target `planner.ttft_slo_ms`, what the queue needs per
+    micro-batch to reach its first tokens in time may take up to all of a round's slack.
 `chunk_size` and `max_batch_size` are optional caps (tokens and rows per micro-batch);
 `target_ms` sets T by hand. Predictions are corrected by what comes back: the pipeline
 clock shifts by each returned micro-batch's error, and `TimeBudget.observe` scales stage
@@ -123,8 +123,7 @@ class UniformPlanner(BasePlanner):
         that d decodes at the running requests' mean mid-life KV length fit in T beside the
         prompt tokens that keep pace with them. Each request brings `mix` prompt tokens per
         output token, so d decodes a micro-batch need d x mix prompt tokens beside them to
-        admit new requests as fast as old ones finish (or, with a TTFT target, what the
-        queue needs, if more)."""
+        admit new requests as fast as old ones finish."""
         if not self.bounded:
             return INF
         b, period = self.budget, self.budget.period_s
@@ -176,8 +175,8 @@ class UniformPlanner(BasePlanner):
         """The latest the next micro-batch may come back (TBT target; inf without): 0.95 x S
         after the last token of each ready decode, the ones it carries and the ones left to
         the micro-batches behind it (which come back after it), and after the predicted
-        return of each token on its way (that request's next decode follows this one). The pipeline clock's
-        completion includes the wait behind every micro-batch in flight, so a heavy
+        return of each token on its way (that request's next decode follows this one). The
+        pipeline clock's completion includes the wait behind every micro-batch in flight, so a heavy
         micro-batch ahead (a burst of prompts after a lull) leaves this one less room."""
         b = self.budget
         if b.tbt_slo_s is None:
