@@ -184,6 +184,12 @@ class Request:
         self.num_scheduled = self.num_computed = self.num_keyed = 0
         self.last_key = b""
 
+    def resume(self, generated: Sequence[int]) -> None:
+        """Continue a request that already generated `generated` (a journal, a recovery):
+        they join its prefill, and the prefill's last chunk samples the next token."""
+        self.output_token_ids = list(generated)
+        self.prefill_len = self.prompt_len + len(self.output_token_ids)
+
     def token_at(self, position: int) -> int:
         """Token id at a sequence position (prompt, then generated tokens)."""
         n = self.prompt_len

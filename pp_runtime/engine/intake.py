@@ -71,9 +71,11 @@ class Intake:
     # ---- callers (any thread) ----------------------------------------------------------
     def take(self, prompt: Sequence[int], params: SamplingParams, seed: int,
              request_id: str | None, listener: Listener | None, watcher: Watcher | None,
-             arrival_s: float | None, start: Callable[[], None]) -> Open:
-        """Register a checked request (arrival: now, or `arrival_s` if later); `start`:
-        called under the lock (the engine thread, on the first request)."""
+             arrival_s: float | None, start: Callable[[], None],
+             generated: Sequence[int] = ()) -> Open:
+        """Register a checked request (arrival: now, or `arrival_s` if later; `generated`:
+        tokens it already produced, `Request.resume`); `start`: called under the lock (the
+        engine thread, on the first request)."""
         with self.cond:
             if self.failure is not None:
                 raise EngineClosed(f"the engine failed: {self.failure}")
@@ -89,8 +91,10 @@ class Intake:
             now = self.clock()
             arrival = now if arrival_s is None else max(now, arrival_s)
             key = str(rid) if request_id is None else request_id
-            o = Open(key, Request(rid, prompt, params, seed, arrival_s=arrival),
-                     RequestHandle(key, listener), watcher)
+            req = Request(rid, prompt, params, seed, arrival_s=arrival)
+            if generated:
+                req.resume(generated)
+            o = Open(key, req, RequestHandle(key, listener), watcher)
             self.open[rid], self.requests[rid], self._keys[key] = o, o.req, rid
             if watcher is not None:
                 watcher.request_ids.add(rid)

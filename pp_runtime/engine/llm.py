@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from pp_runtime.core import driver
 from pp_runtime.model.checkpoint_fields import check_math_fields
@@ -53,9 +53,12 @@ class LLM:
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_microbatch: driver.OnMicroBatch | None = None,
-                 arrival_s: Sequence[float] | None = None) -> list[RequestOutput]:
+                 arrival_s: Sequence[float] | None = None,
+                 generated: Mapping[int, Sequence[int]] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. `arrival_s`
-        (non-decreasing seconds from the call) holds requests back until then.
+        (non-decreasing seconds from the call) holds requests back until then; `generated`:
+        by prompt index, tokens a request already produced (a run resumed from its journal):
+        its output starts with them and goes on.
 
         Every request is checked first: if any is invalid, InvalidRequestError names each
         bad request (by index) and nothing runs. If the executor fails mid-run, every
@@ -76,7 +79,8 @@ class LLM:
             for i, (prompt, sp, at) in enumerate(zip(prompts, plist, arrivals)):
                 seed = sp.seed if sp.seed is not None else default_seed(self.config.runtime.seed, i)
                 handles.append(engine.add_request(prompt, sp, seed=seed, arrival_s=base + at,
-                                                  watcher=watcher))
+                                                  watcher=watcher,
+                                                  generated=(generated or {}).get(i, ())))
             done = [h.result() for h in handles]
         except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM: every unfinished request ends now
             engine.abandon(str(exc) or "interrupted")
@@ -176,10 +180,11 @@ def workload_requests(cfg: Config) -> tuple[list, list[list[int]], list[Sampling
 
 
 def run_workload(cfg: Config, checkpoint: str | Path | None = None,
-                 on_microbatch: driver.OnMicroBatch | None = None, executor=None) -> RunResult:
+                 on_microbatch: driver.OnMicroBatch | None = None, executor=None,
+                 generated: Mapping[int, Sequence[int]] | None = None) -> RunResult:
     """cfg's workload on the real runtime (random token ids of the workload's lengths, each
     request generating exactly its output length): the counterpart of `simulate(cfg)`,
-    with the same report. A failed run still returns its result, with error requests; an
+    with the same report. `generated`: as `LLM.generate`'s, by workload index. A failed run still returns its result, with error requests; an
     interrupted one re-raises with its partial result attached (`exc.result`)."""
     from pp_runtime.telemetry.recorder import RunRecorder
 
@@ -197,7 +202,8 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
     ran = getattr(llm.executor, "layer_split", None)  # what the workers hold (Ray reports it)
     cfg = cfg.with_overrides(layer_split=list(ran)) if ran else cfg.with_layer_split_resolved()
     try:
-        outputs = llm.generate(prompts, params, record, [s.arrival_s for s in specs])
+        outputs = llm.generate(prompts, params, record, [s.arrival_s for s in specs],
+                               generated)
     except driver.ExecutorFailed as exc:
         outputs, stopped = exc.outputs, "worker failure"
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM: the caller writes the partial report

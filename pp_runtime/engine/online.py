@@ -83,24 +83,29 @@ class Engine:
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, listener: Listener | None = None,
                     seed: int | None = None, arrival_s: float | None = None,
-                    watcher: Watcher | None = None) -> RequestHandle:
+                    watcher: Watcher | None = None, generated: Sequence[int] = ()) -> RequestHandle:
         """Take one request in; checked here (InvalidRequestError), nothing runs if bad.
 
         `seed`: the sampling seed when `params.seed` is None (default: the runtime seed, as
         the first prompt of `LLM.generate`); `arrival_s`: an engine-clock time to hold it
-        back until (never before now).
+        back until (never before now); `generated`: tokens this request already produced
+        (a journal replayed after a restart): they are computed with the prompt, not
+        streamed again, and generation goes on after them (fewer than `max_tokens`).
         """
         params = SamplingParams() if params is None else params
         prompt = list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple)) else prompt_token_ids
         problems = prompt_problems(prompt, params, self.cfg.model.vocab_size, self.cfg.seq_len)
         if problems:  # `exc.field` names the first one's field (the server's 400 says it)
             raise InvalidRequestError.of(problems)
+        if len(generated) >= params.max_tokens:
+            raise InvalidRequestError(f"{len(generated)} tokens already generated: nothing is "
+                                      f"left of max_tokens {params.max_tokens}", "generated")
         if params.seed is not None:
             seed = params.seed
         elif seed is None:
             seed = default_seed(self.cfg.runtime.seed)
         o = self._intake.take(prompt, params, seed, request_id, listener, watcher, arrival_s,
-                              self._start)
+                              self._start, generated)
         return o.handle
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED,
