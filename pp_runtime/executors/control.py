@@ -10,6 +10,8 @@ another.
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -45,8 +47,14 @@ class ControlChannel:
         for t in (size, payload):
             self._pending.append((start(t), t))
 
-    def recv(self, src: int, schema: object) -> object:
-        return self._receive(src, schema, lambda t: dist.recv(t, src=src, group=self.group))
+    def recv(self, src: int, schema: object, timeout_s: float | None = None) -> object:
+        """The next message from src; with `timeout_s`, each of its two receives raises
+        (gloo's "Timed out waiting") past that many seconds: a peer that hangs."""
+        if timeout_s is None:
+            return self._receive(src, schema, lambda t: dist.recv(t, src=src, group=self.group))
+        limit = timedelta(seconds=timeout_s)
+        return self._receive(src, schema, lambda t: dist.irecv(t, src=src, group=self.group)
+                             .wait(timeout=limit))
 
     def recv_broadcast(self, schema: object) -> object:
         """The next message `broadcast` by the root."""

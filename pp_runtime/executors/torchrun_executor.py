@@ -12,12 +12,16 @@ rooted at rank 0) never blocks a send (isend, async broadcast), so a rank busy w
 stage never stalls another. Messages are JSON typed by the dataclasses
 (`executors/wire.py`), never pickles.
 
-A rank that dies takes the job down through torchrun's agent; a rank that hangs makes the
-others fail after the process group's timeout (`runtime.step_timeout_s`).
+A rank that dies takes the job down through torchrun's agent, which restarts the whole
+group (within `--max-restarts`; rank 0 resumes from its journal, docs/recovery.md). A rank
+that hangs: `wait` gives up on a result after `timeout_s` (`runtime.step_timeout_s`),
+raises, and from then on the executor talks to no peer again (`shutdown` neither waits
+for stage 0 nor tells the others to stop), so rank 0 exits non-zero at once.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch.distributed as dist
 
@@ -37,8 +41,11 @@ class TorchrunExecutor:
     name = "torchrun"
     path = ""  # one way to reach the stages (driver.Executor)
 
-    def __init__(self, worker: StageWorker, ctrl: ControlChannel, world_size: int, tp: int):
+    def __init__(self, worker: StageWorker, ctrl: ControlChannel, world_size: int, tp: int,
+                 timeout_s: float | None = None):
         self.worker, self.ctrl, self.world, self.tp = worker, ctrl, world_size, tp
+        self.timeout_s = timeout_s  # per result; None: wait as long as gloo's group does
+        self.failed = False  # a wait raised: the pipeline is broken, peers are not told
         self.last = world_size - tp  # TP rank 0 of the last stage: it samples
         # rank 0's stage-0 work, in submission order, off the driver's thread
         self._stage0 = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage0")
@@ -57,14 +64,34 @@ class TorchrunExecutor:
 
     def wait(self, handle: tuple[int, Future]) -> SampledTokens:
         mb_id, own = handle
-        results = [own.result()] + [self.ctrl.recv(r, wire.RESULT) for r in range(1, self.world)]
+        try:
+            results = [self._own(mb_id, own)]
+            results += [self._peer(mb_id, r) for r in range(1, self.world)]
+        except Exception:
+            self.failed = True
+            raise
         return SampledTokens(mb_id, results[self.last][0], tuple(t for _, t in results))
+
+    def _own(self, mb_id: int, own: Future) -> tuple:
+        try:
+            return own.result(self.timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"stage 0 (rank 0) did not finish micro-batch {mb_id} within "
+                               f"{self.timeout_s:g} s (runtime.step_timeout_s)") from None
+
+    def _peer(self, mb_id: int, rank: int) -> tuple:
+        try:
+            return self.ctrl.recv(rank, wire.RESULT, self.timeout_s)
+        except RuntimeError as exc:  # gloo: the peer's socket closed, or the time ran out
+            raise RuntimeError(f"rank {rank} (stage {rank // self.tp}), micro-batch {mb_id}: "
+                               f"{exc} (runtime.step_timeout_s {self.timeout_s})") from exc
 
     def shutdown(self) -> None:
         """Let rank 0's stage-0 thread finish what it holds; tell every other rank to stop
-        (they leave `serve`)."""
-        self._stage0.shutdown(wait=True)
-        if self.world:
+        (they leave `serve`). After a failed `wait`, neither: a broken pipeline could
+        hold either forever, and the caller exits (torchrun's agent ends the others)."""
+        self._stage0.shutdown(wait=not self.failed, cancel_futures=self.failed)
+        if self.world and not self.failed:
             self.ctrl.broadcast(None, wire.PLAN)
             self.ctrl.flush()
             self.world = 0
