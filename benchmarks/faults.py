@@ -351,16 +351,22 @@ def per_request(reqs: list[Req], ref: dict[int, list[int]] | None) -> tuple[int,
 
 def outages(faults: list[Fault], reqs: list[Req], end: float) -> list[dict]:
     """Per fault: when the silence began, when tokens and /health came back (s after the
-    fault), the later of both, and the outage window [fault or silence, back]."""
-    arrivals, rows = sorted(t for r in reqs for t in r.token_times), []
+    fault), the later of both, when every stream it cut had its next token, and the outage
+    window: [fault or silence, the last of these]."""
+    times = [r.token_times for r in reqs]
+    arrivals, rows = sorted(t for ts in times for t in ts), []
     for i, f in enumerate(faults):
-        start, back = service_back(f.t, arrivals, faults[i + 1].t if i + 1 < len(faults) else end)
+        until = faults[i + 1].t if i + 1 < len(faults) else end
+        start, back = service_back(f.t, arrivals, until)
         ends = [x for x in (back, f.health_back) if x is not None]
+        resumed = [ts[j] for ts in times if 0 < (j := bisect.bisect_right(ts, start)) < len(ts)
+                   and ts[j] <= until]  # the streams the fault cut, each one's next token
         rows.append({**asdict(f), "silence_from_s": start - f.t,
                      "tokens_back_s": None if back is None else back - f.t,
                      "health_back_s": None if f.health_back is None else f.health_back - f.t,
                      "back_s": max(ends) - f.t if len(ends) == 2 else None,
-                     "window": (min(start, f.t), max(ends) if ends else end)})
+                     "all_back_s": max(resumed) - f.t if resumed else None,
+                     "window": (min(start, f.t), max(ends + resumed, default=end))})
     return rows
 
 
@@ -396,11 +402,11 @@ def table(ref_reqs, reqs, rows, f: dict, args) -> list[str]:
            + (f"  {f['p99'] / f['p99_ref']:.2f}x; {f['dropped']} gaps in outages left out"
               if f["p99"] and f["p99_ref"] else ""),
            col(f"p99 TBT, also {args.settle_s:g} s after outages out", "", ms(f["p99_settled"])),
-           f"{'#':>3}{'at':>7}{'stage':>6}{'pid':>8}{'silence from':>13}{'tokens back':>12}"
+           f"{'#':>3}{'at':>7}{'stage':>6}{'pid':>8}{'silence from':>13}{'tokens back':>12}{'all back':>10}"
            f"{'/health 200':>12}{'RSS MiB':>9}{'actors':>7}  /health meanwhile"]
     for r in rows:
         out.append(f"{r['n']:>3}{r['at_s']:>6.0f}s{r['stage']:>6}{str(r['pid']):>8}"
-                   f"{sec(r['silence_from_s']):>13}{sec(r['tokens_back_s']):>12}"
+                   f"{sec(r['silence_from_s']):>13}{sec(r['tokens_back_s']):>12}{sec(r['all_back_s']):>10}"
                    f"{sec(r['health_back_s']):>12}{r['rss_mib'] or 0:>9.0f}{str(r['actors']):>7}  "
                    f"{','.join(r['statuses']) or 'never 503'}"
                    + ("" if r["hung_pid_alive"] is None else f"; stopped pid alive after: {r['hung_pid_alive']}"))

@@ -97,7 +97,7 @@ def fault_row(n, stage, back, rss):
     return {"n": n, "at_s": 30.0 * n, "stage": stage, "pid": 100 + n, "t": 30.0 * n,
             "health_back": 30.0 * n + back, "statuses": ["recovering"], "rss_mib": rss, "actors": 2,
             "hung_pid_alive": None, "silence_from_s": 0.0, "tokens_back_s": back,
-            "health_back_s": back, "back_s": back, "window": (30.0 * n, 30.0 * n + back)}
+            "health_back_s": back, "back_s": back, "all_back_s": back, "window": (30.0 * n, 30.0 * n + back)}
 
 
 def args(**kw):
@@ -123,3 +123,14 @@ def test_the_checks_pass_a_clean_run_and_name_what_failed():
                       "pp_runtime_recoveries_total by stage = faults by stage"}, lines
     assert any("request 0 (prompt 0, 3 tokens): not the fault-free tokens: duplicate of 1 token(s) at index 2" in x
                for x in lines)
+
+
+def test_the_outage_lasts_until_every_stream_it_cut_has_its_next_token():
+    a = req([1, 2, 3, 4], times=[0.0, 1.0, 6.0, 7.0])  # cut at 1.0, back at 6.0 (the first)
+    b = req([1, 2, 3], times=[0.5, 9.0, 9.5])  # cut at 0.5, back at 9.0 (the last)
+    c = req([1, 2], times=[8.0, 8.5])  # sent during the outage: its first token is not a return
+    fault = faults.Fault(1, 30.0, 0, 123, t=2.0, health_back=5.0)
+    (row,) = faults.outages([fault], [a, b, c], end=20.0)
+    assert (row["silence_from_s"], row["tokens_back_s"], row["all_back_s"]) == (-1.0, 4.0, 7.0)
+    assert row["back_s"] == 4.0 and row["health_back_s"] == 3.0
+    assert row["window"] == (1.0, 9.0)
