@@ -294,12 +294,13 @@ class Killer(threading.Thread):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for q in tree(self.server_pid)[1:]:
-                if m := STAGE_TITLE.match(title(q)):
-                    self.stages[q] = int(m.group(1))
+                if (m := STAGE_TITLE.match(title(q))) and q not in {f.pid for f in self.faults}:
+                    self.stages[q] = int(m.group(1))  # (a stopped actor keeps its title: not again)
                     if self.stages[q] == stage:
                         return q
             time.sleep(0.02)
-        return next((q for q, s in self.stages.items() if s == stage and alive(q)), None)
+        return next((q for q, s in self.stages.items() if s == stage and alive(q)
+                     and q not in {f.pid for f in self.faults}), None)
 
     def run(self) -> None:
         a, t0 = self.args, time.monotonic()
