@@ -168,6 +168,11 @@ def drive(cfg: Config, checkpoint: str | None, executor, out: Path, quiet: bool,
     if not quiet:
         print(format_summary(report))
         print(f"  ran in {run.run_wall_s:.1f} s; reports and plots in {out}/", flush=True)
+    if failed:
+        why = next((o.error for o in run.requests if o.error), "a request ended with an error")
+        print(f"rank 0: the pipeline broke ({why}); exiting 1: torchrun's agent restarts the "
+              f"group (within --max-restarts) and rank 0 resumes from {journal.path}",
+              file=sys.stderr, flush=True)
     return 1 if failed else 0
 
 

@@ -1,0 +1,99 @@
+"""A torchrun deployment heals: a rank that dies or hangs mid-run makes torchrun's agent
+restart the whole group (`--max-restarts 1`), rank 0 resumes from its journal, and the
+outputs equal a fault-free run's, token for token (greedy).
+
+Real jobs under `pp_runtime.cli.agent` on 127.0.0.1 (gloo, tiny model, PP = 2); the fault
+comes from the launcher's test hook PP_RUNTIME_FAULT (first attempt only)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pp_runtime.core import journal
+from ports import free_port
+
+pytestmark = pytest.mark.slow  # torchrun processes (pytest.ini)
+
+ARGS = ["--config", "tiny", "--quiet", "--set", "workload.kind=fixed", "--set", "prompt_len=40",
+        "--set", "output_len=12", "--requests", "6", "--set", "threads_per_worker=1",
+        "--set", "pp=2", "--set", "step_timeout_s=10"]
+
+
+def agent(out, fault=None, restarts=1, *extra):
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+    env.pop("PP_RUNTIME_FAULT", None)
+    if fault:
+        env["PP_RUNTIME_FAULT"] = fault
+    cmd = [sys.executable, "-m", "pp_runtime.cli.agent", "--nnodes", "1", "--nproc-per-node",
+           "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           "--max-restarts", str(restarts), "-m", "pp_runtime.cli.torchrun", "--out", str(out),
+           *ARGS, *extra]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    r.wall_s = time.monotonic() - t0
+    return r
+
+
+def outputs(d):
+    return [json.loads(line) for line in (d / "outputs.jsonl").read_text().splitlines()]
+
+
+def journal_tokens(d):
+    path = d / journal.NAME
+    run = json.loads(path.read_text().splitlines()[0])["run"]
+    return journal.read(path, run)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fault_free")
+    r = agent(out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming" not in r.stderr
+    return outputs(out)
+
+
+def check_healed(r, out, reference):
+    """The run succeeded after one restart that resumed from a non-empty journal, and its
+    outputs are the fault-free run's; the journal holds exactly the outputs' tokens."""
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "PP_RUNTIME_FAULT: rank 1 faults" in r.stderr
+    resumed = [ln for ln in r.stderr.splitlines() if "rank 0: resuming from" in ln]
+    assert len(resumed) == 1 and "(attempt 1)" in resumed[0], r.stderr[-4000:]
+    assert not resumed[0].split(": ")[2].startswith("0 tokens"), resumed[0]
+    got = outputs(out)
+    assert len(got) == 6 and all(len(o["token_ids"]) == 12 for o in got)
+    assert got == reference
+    head = json.loads((out / journal.NAME).read_text().splitlines()[0])
+    assert head["base"], "the second attempt started from nothing"
+    replay = journal_tokens(out)
+    assert replay.done and replay.tokens == {i: o["token_ids"] for i, o in enumerate(got)}
+
+
+def test_a_killed_rank_is_restarted_and_the_run_resumes(tmp_path, reference):
+    r = agent(tmp_path, "rank=1,after_mb=8,mode=kill")
+    check_healed(r, tmp_path, reference)
+    assert "exitcode: -9" in r.stderr or "exitcode  : -9" in r.stderr
+
+
+def test_a_hung_rank_is_given_up_after_the_step_timeout_and_the_run_resumes(tmp_path, reference):
+    r = agent(tmp_path, "rank=1,after_mb=8,mode=hang")
+    check_healed(r, tmp_path, reference)
+    assert "rank 0: the pipeline broke (RuntimeError: rank 1 (stage 1), micro-batch 8" in r.stderr
+    assert "Timed out waiting 10000ms" in r.stderr
+    assert r.wall_s < 150  # the hung rank was ended, not waited for (30 min of gloo)
+
+
+def test_a_journal_of_another_run_is_refused_not_replayed(tmp_path):
+    other = journal.run_id({"model": {"name": "something else"}}, None)
+    journal.Journal(tmp_path / journal.NAME, other, {0: [1, 2]}, what="another run").close()
+    before = (tmp_path / journal.NAME).read_bytes()
+    r = agent(tmp_path, None, 0)
+    assert r.returncode != 0
+    assert f"error (rank 0): {tmp_path / journal.NAME} is the journal of another run " \
+           "(another run;" in r.stderr, r.stderr[-3000:]
+    assert (tmp_path / journal.NAME).read_bytes() == before
+    assert not (tmp_path / "outputs.jsonl").exists()
