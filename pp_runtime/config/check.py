@@ -209,6 +209,10 @@ def _check_runtime(rt, p) -> None:
            f"unknown layout {rt.kv_layout!r}", "use auto, heads or tokens")
     _check(rt.step_timeout_s > 0 and rt.startup_timeout_s > 0, "runtime.step_timeout_s",
            "timeouts must be > 0", "use e.g. 120 and 300 seconds")
+    _check(rt.recovery_attempts >= 0, "runtime.recovery_attempts",
+           f"must be >= 0, got {rt.recovery_attempts}", "use 0 to end every request on a failure")
+    _check(rt.recovery_window_s > 0, "runtime.recovery_window_s",
+           f"must be > 0, got {rt.recovery_window_s}", "use e.g. 60 seconds")
 
 
 def _check_cache(c: CacheConfig, seq_len: int) -> None:

@@ -210,6 +210,12 @@ class RuntimeConfig:
     threads_per_worker: int | None = None  # torch CPU threads per worker; None: cores / workers
     step_timeout_s: float = 120.0  # a micro-batch no rank finishes within this ends the run
     startup_timeout_s: float = 300.0  # actors placed, groups formed and weights loaded within this
+    # a stage that dies or hangs (past step_timeout_s): the workers are replaced and every
+    # running request is computed again from its prompt and tokens (docs/recovery.md), at
+    # most recovery_attempts times in any recovery_window_s; past that, or at 0, every
+    # open request ends with an error naming the stage
+    recovery_attempts: int = 5
+    recovery_window_s: float = 60.0
     metrics: bool = True  # export Ray metrics (ray executor)
     compiled_graph: bool | str = "auto"  # ray: every rank's micro-batch call as one Ray
     #                               Compiled Graph execution (docs/distributed.md); "auto":

@@ -59,6 +59,9 @@ class ExecutorWrapper:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
+    def recover(self) -> None:  # only called where the wrapped executor has it
+        self.executor.recover()
+
 
 class Planner(Protocol):
     """What the loop and an intake use (`planner/base.py`'s BasePlanner has them all)."""
@@ -69,6 +72,9 @@ class Planner(Protocol):
     def next_arrival_s(self) -> float | None: ...
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]: ...
     def abort_all(self, reason: FinishReason, now: float) -> list[Request]: ...
+    # a recovery: the requests move to a fresh planner
+    def unfinished(self) -> list[Request]: ...
+    def adopt(self, requests: list[Request]) -> None: ...
     # an intake (the online engine): requests in, one at a time out
     def add(self, req: Request) -> None: ...
     def admit(self, now: float) -> None: ...
@@ -98,14 +104,16 @@ class ExecutorFailed(RuntimeError):
 def run(planner: Planner, executor: Executor, depth: int,
         clock: Callable[[], float] = time.perf_counter,
         on_microbatch: OnMicroBatch | None = None,
-        sleep: Callable[[float], None] = time.sleep, intake: Intake | None = None) -> None:
+        sleep: Callable[[float], None] = time.sleep, intake: Intake | None = None,
+        keep_on_failure: bool = False) -> None:
     """Run until the planner has no work left (with an `intake`: until it is closed).
 
     With nothing in flight and nothing arrived, sleep until the next arrival; that stretch,
     from the last result to the arrival, is the system's idle time, handed to the stages'
     bubble accounting as `idle_before_s` of the next micro-batch (a duration: every stage
     can use it on its own clock). On an executor error, end every unfinished request with
-    finish reason `error` and raise ExecutorFailed. Any other error (a planner or callback
+    finish reason `error` and raise ExecutorFailed; with `keep_on_failure` leave them as
+    they are (the results in flight are lost: the caller recovers, `engine/online.py`). Any other error (a planner or callback
     bug) drains the micro-batches in flight, ends the unfinished requests the same way and
     propagates unchanged: the executor stays usable. A KeyboardInterrupt (Ctrl-C, or SIGTERM
     under `interrupt.handled()`) ends them the same way at once, without waiting for the
@@ -154,7 +162,11 @@ def run(planner: Planner, executor: Executor, depth: int,
             planner.on_result(mb, out, quiet_since)
             if on_microbatch:
                 on_microbatch(mb, out)
-    except (ExecutorFailed, KeyboardInterrupt):
+    except ExecutorFailed:
+        if not keep_on_failure:
+            planner.abort_all(FinishReason.ERROR, clock())
+        raise
+    except KeyboardInterrupt:
         planner.abort_all(FinishReason.ERROR, clock())
         raise
     except Exception:

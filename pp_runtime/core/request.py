@@ -179,6 +179,13 @@ class Request:
     def preempted(self) -> None:
         """Its blocks were taken back: compute everything known again, from position 0."""
         self.num_preemptions += 1
+        self.restart()
+
+    def restart(self) -> None:
+        """Its KV is gone (preempted, or its stage's worker was replaced): holding no
+        blocks, it computes everything known again from position 0; the tokens it had
+        computed count as recomputed."""
+        self.blocks = None
         self.num_recomputed += self.num_computed
         self.prefill_len = self.prompt_len + len(self.output_token_ids)
         self.num_scheduled = self.num_computed = self.num_keyed = 0

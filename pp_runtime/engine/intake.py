@@ -67,6 +67,7 @@ class Intake:
         self.closed = False
         self.failure: BaseException | None = None  # the executor's error, once it failed
         self.kv_waiting = 0  # requests the planner could not admit (engine thread writes)
+        self._injected: BaseException | None = None  # a failure found outside the loop
 
     # ---- callers (any thread) ----------------------------------------------------------
     def take(self, prompt: Sequence[int], params: SamplingParams, seed: int,
@@ -135,6 +136,14 @@ class Intake:
             self.cond.notify_all()
         return opened
 
+    def inject_failure(self, exc: BaseException, start: Callable[[], None]) -> None:
+        """A worker failure found outside the loop: the next `pull` raises it (as
+        driver.ExecutorFailed); `start`: the engine thread, if it never ran."""
+        with self.cond:
+            self._injected = exc
+            start()
+            self.cond.notify_all()
+
     def fail(self, exc: BaseException) -> None:
         with self.cond:
             self.failure = exc
@@ -164,6 +173,9 @@ class Intake:
         """Hand the planner what arrived by `now`, then apply the aborts that can be."""
         arrived = []
         with self.cond:
+            injected, self._injected = self._injected, None
+            if injected is not None:
+                raise driver.ExecutorFailed(f"{type(injected).__name__}: {injected}") from injected
             while self._pending and self._pending[0][0] <= now:
                 o = heapq.heappop(self._pending)[2]
                 if not o.dropped:
@@ -196,7 +208,7 @@ class Intake:
         """Sleep until a request arrives or an abort is asked for; False once closed."""
         with self.cond:
             while True:
-                if self._aborts:
+                if self._aborts or self._injected is not None:
                     return True
                 if self.closed:
                     return False

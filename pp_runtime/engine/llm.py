@@ -215,6 +215,9 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
     else:
         stopped = None
     finally:
+        engine = llm._engine  # None when the run never started
+        recoveries = [dict(r.as_dict(), at_s=r.at_s - t0)
+                      for r in (engine.recoveries if engine else ())]
         llm.shutdown()
     return RunResult(cfg, name, outputs, [rec], time.perf_counter() - t0, device=device,
-                     interrupted_by=stopped)
+                     interrupted_by=stopped, recoveries=recoveries)

@@ -28,6 +28,7 @@ from pp_runtime.planner import make_planner
 from pp_runtime.core.request import (FinishReason, InvalidRequestError, RequestOutput,
                                 SamplingParams, default_seed, prompt_problems)
 from pp_runtime.engine.intake import QUEUE_FULL, EngineClosed, Intake, Open, QueueFull
+from pp_runtime.engine.recovery import Budget, Recovery, first_line, named_rank
 from pp_runtime.engine.streams import (Event, Finished, Listener, RequestHandle, RequestTiming, Token,
                                 Watcher)
 from pp_runtime.telemetry.metrics import NullSink, RuntimeMetrics, Sink
@@ -66,6 +67,11 @@ class Engine:
                                                  sink if sink is not None else NullSink(),
                                                  keep_ended=True)
         self._executor = _Stamped(self.metrics.watch(executor), self._intake.open, clock)
+        rt = cfg.runtime  # recovery in place (engine/recovery.py): executors that can
+        self._recoverable = rt.recovery_attempts > 0 and callable(getattr(executor, "recover", None))
+        self._budget = Budget(rt.recovery_attempts, rt.recovery_window_s)
+        self.recoveries: list[Recovery] = []  # each one, in order (the report lists them)
+        self.recovering = False  # the workers are being replaced (/health says so)
 
     # ---- callers (any thread) ----------------------------------------------------------
     def now(self) -> float:
@@ -138,6 +144,15 @@ class Engine:
         """Requests that hold a KV slot."""
         return self._intake.count(holding_blocks=True)
 
+    def report_failure(self, exc: BaseException) -> bool:
+        """A stage worker found dead from outside the loop (the server's liveness probe):
+        the loop recovers as from a failed micro-batch. False when this engine does not
+        recover (the caller reports the failure itself)."""
+        if not self._recoverable:
+            return False
+        self._intake.inject_failure(exc, self._start)
+        return True
+
     def abandon(self, error: str) -> None:
         """End every open request with `error` now, from this thread, without waiting for
         the pipeline (an interrupt); the engine takes no more requests."""
@@ -169,16 +184,61 @@ class Engine:
         while True:
             try:
                 driver.run(self._planner, self._executor, self.cfg.in_flight, self.clock,
-                           self._on_microbatch, self._sleep or time.sleep, intake=self._intake)
+                           self._on_microbatch, self._sleep or time.sleep, intake=self._intake,
+                           keep_on_failure=self._recoverable)
                 return  # closed
             except driver.ExecutorFailed as exc:
-                self._intake.fail(exc)
-                self._end_all(str(exc))
+                failure = self._recover(exc) if self._recoverable else exc
+                if failure is None:
+                    continue  # recovered: the same loop on the replaced workers
+                self._planner.abort_all(FinishReason.ERROR, self.clock())
+                self._intake.fail(failure)
+                self._end_all(str(failure))
                 return
             except Exception as exc:  # a bug above the executor: the pipeline is still good
                 log.exception("engine loop error; its requests end with error")
                 self._end_all(f"{type(exc).__name__}: {exc}", only_planned=True)
                 self._planner = make_planner(self.cfg)  # abort_all kept the slots
+
+    def _recover(self, exc: driver.ExecutorFailed) -> driver.ExecutorFailed | None:
+        """Replace the workers (`executor.recover()`) and hand every unfinished request to
+        a fresh planner, which computes each again (`Planner.adopt`): None once the
+        pipeline runs again; the failure to end every request with once the budget is
+        spent (or the engine closed meanwhile)."""
+        t0, (stage, rank) = self.clock(), named_rank(exc)
+        log.warning("stage worker failure: %s; recovering", first_line(exc))
+        requests = self._planner.unfinished()
+        tokens = sum(r.num_computed for r in requests)
+        self._planner = make_planner(self.cfg)
+        self._planner.adopt(requests)
+        self.recovering, attempts, cause = True, 0, exc
+        self.metrics.set_recovering(True)
+        try:
+            while True:
+                if self._intake.closed:
+                    return exc
+                if not self._budget.take(self.clock()):
+                    rt = self.cfg.runtime
+                    return driver.ExecutorFailed(
+                        f"{first_line(cause)}; not recovered: {rt.recovery_attempts} recovery "
+                        f"attempts in {rt.recovery_window_s:g} s spent (runtime.recovery_attempts)")
+                attempts += 1
+                try:
+                    self._executor.recover()
+                    break
+                except Exception as again:  # a replacement that failed to start: try again
+                    log.warning("recovery attempt %d failed: %s", attempts, first_line(again))
+                    cause = again
+        finally:
+            self.recovering = False
+            self.metrics.set_recovering(False)
+        r = Recovery(t0, stage, rank, first_line(exc), self.clock() - t0, attempts,
+                     len(requests), tokens)
+        self.recoveries.append(r)
+        self.metrics.on_recovery(r.stage, r.tokens)
+        log.warning("recovered in %.1f s (%d attempt(s)); %d requests compute %d tokens again",
+                    r.seconds, attempts, r.requests, r.tokens)
+        return None
 
     def _end_all(self, error: str, only_planned: bool = False) -> None:
         """End open requests with `error`: those the planner held (the driver already

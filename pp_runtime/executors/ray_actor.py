@@ -20,7 +20,8 @@ from pp_runtime.parallel.groups import DistSpec, free_port
 # concurrency groups besides the default one (which runs `execute` in submission order):
 # the relay's follow loop holds one; probes and fault injection answer from the other
 CONCURRENCY_GROUPS = {"relay": 1, "control": 1}
-METHOD_GROUPS = {"follow": "relay", "ping": "control", "progress": "control", "sleep": "control"}
+METHOD_GROUPS = {"follow": "relay", "ping": "control", "progress": "control", "sleep": "control",
+                 "pid": "control"}
 
 
 class StageActor(RelayMember):
@@ -99,6 +100,10 @@ class StageActor(RelayMember):
     def ping(self) -> bool:
         """The liveness probe's call: answering is the proof of life."""
         return True
+
+    def pid(self) -> int:
+        """This worker's process id (fault injection: a test or benchmark kills it)."""
+        return os.getpid()
 
     def sleep(self, seconds: float) -> None:
         """Fault injection for tests: stall this worker's next micro-batch by `seconds` (a

@@ -101,13 +101,11 @@ class RayExecutor(CompiledGraphPath, RelayPath):
     def _start(self, checkpoint) -> None:
         import torch
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from pp_runtime.worker.device import dist_backend
 
         ray, cfg, rt = self.ray, self.cfg, self.cfg.runtime
         self.device = ray_device(cfg, ray.cluster_resources())  # the one decision
-        staged = cfg.with_layer_split_resolved()  # "auto" chosen here once, sent as a list
         self.backend = dist_backend(torch.device(self.device))
         gpus = 1 if self.device == "cuda" else 0
         bundle = {"CPU": self.tp, **({"GPU": self.tp} if gpus else {})}
@@ -118,8 +116,18 @@ class RayExecutor(CompiledGraphPath, RelayPath):
                                f"{rt.startup_timeout_s} s; is the cluster big enough?") from None
         self.graph = self._graph_wanted()  # runtime.compiled_graph; auto: ray_graph.graph_on
         self.grouped = rt.tp_relay and self.tp > 1 and not self.graph  # the relay runs
-        actor_cls = stage_actor_class(ray, self.grouped)
-        ckpt = str(checkpoint) if checkpoint is not None else None
+        self.checkpoint = str(checkpoint) if checkpoint is not None else None
+        self._start_workers()
+
+    def _start_workers(self) -> None:
+        """One actor per rank on the placement group, the process groups formed, the
+        weights loaded, the graph compiled or the relay started (a start and a recovery)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cfg, rt, pg = self.cfg, self.cfg.runtime, self._pgs[0]
+        staged = cfg.with_layer_split_resolved()  # "auto" chosen here once, sent as a list
+        gpus = 1 if self.device == "cuda" else 0
+        actor_cls = stage_actor_class(self.ray, self.grouped)
         prefix = f"pp-{deployment_tag(cfg)}-{uuid.uuid4().hex[:6]}"  # unique per executor
         self.actor_names = [f"{prefix}-s{s}-tp{r}" for s in range(self.pp) for r in range(self.tp)]
         for i, name in enumerate(self.actor_names):  # rank order
@@ -127,7 +135,7 @@ class RayExecutor(CompiledGraphPath, RelayPath):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=stage)
             self.actors.append(actor_cls.options(
                 name=name, namespace=NAMESPACE, num_cpus=1, num_gpus=gpus,
-                scheduling_strategy=strategy).remote(staged, stage, r, ckpt, self.device))
+                scheduling_strategy=strategy).remote(staged, stage, r, self.checkpoint, self.device))
         local = rt.ray_address is None
         addr, port = self._gather([self._call(0, "rendezvous_address", local)],
                                   rt.startup_timeout_s, "finding a rendezvous address")[0]
@@ -143,6 +151,21 @@ class RayExecutor(CompiledGraphPath, RelayPath):
             self.dag = self._compile()
         elif self.grouped:
             self._start_relay()
+
+    def recover(self) -> None:
+        """Replace every stage worker after a failure (engine/recovery.py): the actors are
+        killed, dead, hung or alive (a process group takes no new member without every
+        rank joining again, and a communicator that saw a peer die is not trusted), and
+        fresh ones start on the same placement group: new process groups on a new port,
+        weights loaded again. Raises as a start does (WorkerFailed, CheckpointError)."""
+        dag, self.dag = self.dag, None
+        self.relay_broken = True
+        self._stop_relay()  # after a fault the followers are killed, not asked
+        _kill(self.actors)
+        if dag is not None:
+            teardown(dag, broken=True)
+        self.dag_broken = self.relay_broken = False
+        self._start_workers()
 
     def _call(self, i: int, method: str, *args):
         """`actor.method.remote(*args)` on actor i, as a task named `stage<s>-tp<r>.method`
@@ -227,8 +250,24 @@ class RayExecutor(CompiledGraphPath, RelayPath):
         cause = getattr(exc, "cause", None)  # a RayTaskError's original exception
         if isinstance(cause, (CheckpointError, ConfigError)):
             return type(cause)(f"{self._name(i)}: {cause}")
-        return WorkerFailed(f"{self._name(i)} failed during {what}: "
-                            f"{type(exc).__name__}: {_first_line(exc)}")
+        failed = (f"{self._name(i)} failed during {what}: "
+                  f"{type(exc).__name__}: {_first_line(exc)}")
+        dead = self._dead_rank() if i is not None else None
+        if dead is not None and dead != i:  # a neighbour's error came back first
+            return WorkerFailed(f"{self._name(dead)} is dead ({failed})")
+        return WorkerFailed(failed)
+
+    def _dead_rank(self, timeout_s: float = 2.0) -> int | None:
+        """The first rank whose actor is dead (its ping fails at once), if any: the one to
+        name when a live neighbour's error came back first (gloo's "connection reset")."""
+        refs = [self._call(j, "ping") for j in range(len(self.actors))]
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for ref in sorted(ready, key=refs.index):
+            try:
+                self.ray.get(ref)
+            except Exception:
+                return refs.index(ref)
+        return None
 
     def _wait(self, pending: list, deadline: float) -> tuple[list, list]:
         """ray.wait for one of `pending` until `deadline`, in slices while a cancel event is
@@ -274,9 +313,7 @@ def _release(actors: list, pgs: list, stop_ray: bool, graceful: bool = True) -> 
                          timeout=5)
         except Exception:
             pass
-        for a in actors:
-            ray.kill(a)
-        actors.clear()
+        _kill(actors)
     for pg in pgs:
         if pg is not None:
             from ray.util.placement_group import remove_placement_group
@@ -284,6 +321,18 @@ def _release(actors: list, pgs: list, stop_ray: bool, graceful: bool = True) -> 
     pgs.clear()
     if stop_ray:
         shutdown_ray()
+
+
+def _kill(actors: list) -> None:
+    """Kill every actor (no restart) and empty the list."""
+    import ray
+
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already gone
+            pass
+    actors.clear()
 
 
 def _check_device(device: str) -> None:

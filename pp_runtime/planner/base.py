@@ -87,6 +87,20 @@ class BasePlanner:
             self.finish(req, reason, now)
         return True
 
+    def adopt(self, requests: list[Request]) -> None:
+        """Take over unfinished requests another planner held (a recovery: that planner's
+        micro-batches in flight are lost), in this order, before any waiting here: each
+        holds no blocks and computes everything it knows again (`Request.restart`)."""
+        for req in reversed(requests):
+            if req.blocks is not None or req.num_scheduled:
+                req.restart()
+            self.requests[req.request_id] = req
+            self.waiting.appendleft(req)
+
+    def unfinished(self) -> list[Request]:
+        """Every request not ended: admitted ones in admission order, then the waiting."""
+        return list(self.running) + list(self.waiting)
+
     def forget(self, request_id: int) -> None:
         """Drop an ended request's record (an online engine ends requests without end)."""
         self.requests.pop(request_id, None)

@@ -92,14 +92,20 @@ def build_app(state: ServeState, lifespan=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        """200 once every stage worker is up; 503 while starting and after a failure."""
+        """200 once every stage worker is up; 503 while starting, while a failed stage's
+        workers are replaced ("recovering": requests are still taken, and wait), and after
+        a failure that was not recovered."""
         e = state.engine
         if state.error or e is None or not e.healthy or state.failure:
             status = "failed" if state.error else "starting" if e is None else "unhealthy"
             why = state.error or state.failure or (str(e.failure) if e and e.failure else None)
             return JSONResponse({"status": status, "error": why}, 503)
+        if e.recovering:
+            return JSONResponse({"status": "recovering", "recoveries": len(e.recoveries),
+                                 "running": e.num_running(), "waiting": e.num_waiting()}, 503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         return {"status": "ok", "model": state.model, "running": e.num_running(),
-                "waiting": e.num_waiting()}
+                "waiting": e.num_waiting(), "recoveries": len(e.recoveries)}
 
     @app.get("/v1/models")
     async def models(request: Request):

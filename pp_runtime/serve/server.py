@@ -5,7 +5,9 @@ and turns 200 once every stage is up: Slurm scripts and load balancers wait on i
 that fails is reported at `/health` and in the log, and the server exits with code 1.
 While it serves, a liveness probe asks every stage worker for a reply every
 `LIVENESS_PROBE_S` when the engine is idle (a busy engine finds a dead worker itself), so
-`/health` turns 503 within seconds of a worker's death even with no traffic.
+a dead worker is found within seconds even with no traffic: the engine replaces the
+workers (`/health` 503 "recovering" meanwhile, docs/recovery.md), or, with recovery off or
+its budget spent, `/health` stays 503.
 
 One shutdown path, whatever sends SIGTERM or SIGINT (the PID or its process group;
 idle, busy or starting): the signal aborts every open request at once (each open stream
@@ -148,12 +150,15 @@ def _probe_until(stop: threading.Event, state: ServeState, executor, engine) -> 
     request 503 (`state.failure`). Executors in this process have no ping: nothing to do."""
     ping = getattr(executor, "ping", None)
     while not stop.wait(LIVENESS_PROBE_S):
-        if ping is None or state.failure or not engine.healthy:
+        if ping is None or state.failure or not engine.healthy or engine.recovering:
             continue
         if engine.num_running() or engine.num_waiting():
             continue  # a busy engine finds a dead worker at its next micro-batch
         try:
             ping(PROBE_TIMEOUT_S)
         except Exception as exc:  # WorkerFailed naming the stage and rank
+            if engine.report_failure(exc):  # the engine replaces the workers
+                log.warning("liveness probe: %s; recovering", exc)
+                continue
             state.failure = f"{type(exc).__name__}: {exc}"
             log.error("liveness probe: %s; /health is 503", state.failure)

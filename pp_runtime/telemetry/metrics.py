@@ -46,6 +46,9 @@ class Metric(str, Enum):
     MB_TOKENS = "pp_runtime_microbatch_tokens"  # per micro-batch; kind=prefill|decode
     PREEMPTIONS = "pp_runtime_preemptions"  # KV taken back from a request (counted as it ends)
     PREFIX_HIT_TOKENS = "pp_runtime_prefix_cache_hit_tokens"  # prompt tokens not computed
+    RECOVERIES = "pp_runtime_recoveries"  # stage workers replaced after a failure; tag stage
+    RECOMPUTED_TOKENS = "pp_runtime_recomputed_tokens"  # computed again after a recovery
+    RECOVERING = "pp_runtime_recovering"  # 1 while the workers are being replaced
 
 
 class Kind(str, Enum):
@@ -101,6 +104,13 @@ SPECS: dict[Metric, Spec] = {
                              "make room (it computes them again), counted when it ends", _RUN),
     Metric.PREFIX_HIT_TOKENS: Spec(Kind.COUNTER, "Prompt tokens whose KV was found in the "
                                    "prefix cache (not computed), counted when the request ends", _RUN),
+    Metric.RECOVERIES: Spec(Kind.COUNTER, "Recoveries in place: the stage workers replaced "
+                            "after a worker of this stage died or hung (stage=unknown when "
+                            "the failure named none)", _STAGE),
+    Metric.RECOMPUTED_TOKENS: Spec(Kind.COUNTER, "Tokens whose KV a recovery lost, computed "
+                                   "again (prompt and generated tokens of running requests)", _RUN),
+    Metric.RECOVERING: Spec(Kind.GAUGE, "1 while the stage workers are being replaced after "
+                            "a failure, else 0", _RUN),
 }
 
 
@@ -207,6 +217,17 @@ class RuntimeMetrics:
         self._record(Metric.QUEUE_DEPTH, self.queue_depth())
         if n == 0:  # the pipeline drained: nothing summed waits for the next micro-batch
             self.flush()
+
+    # ---- a recovery (engine/recovery.py) -------------------------------------------------
+    def set_recovering(self, on: bool) -> None:
+        """While the workers are replaced; the micro-batches that were in flight are lost."""
+        self._record(Metric.RECOVERING, 1.0 if on else 0.0)
+        if on:
+            self.set_in_flight(0)
+
+    def on_recovery(self, stage: int | None, tokens: int) -> None:
+        self._record(Metric.RECOVERIES, 1.0, {"stage": "unknown" if stage is None else str(stage)})
+        self._record(Metric.RECOMPUTED_TOKENS, float(tokens))
 
     # ---- one micro-batch ---------------------------------------------------------------
     def on_microbatch(self, mb: MicroBatch, out: SampledTokens) -> None:

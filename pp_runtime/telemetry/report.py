@@ -40,6 +40,8 @@ class RunResult:
     # why the run stopped before every request finished ("SIGINT", "SIGTERM", "worker
     # failure"); None when it ran to the end. Unfinished requests then end in error.
     interrupted_by: str | None = None
+    # each recovery in place (engine/recovery.Recovery.as_dict, at_s from the run's start)
+    recoveries: list[dict] | None = None
 
 
 def _hardware(cfg: Config) -> str:
@@ -127,6 +129,7 @@ def build_report(run: RunResult) -> dict[str, Any]:
         "run_wall_s": run.run_wall_s,
         "partial": run.interrupted_by is not None,  # stopped early: see interrupted_by
         "interrupted_by": run.interrupted_by,
+        "recoveries": run.recoveries or [],
     }
     if run.cost_sources:
         summary["cost_sources"] = run.cost_sources
@@ -226,6 +229,11 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append(f"  KV cache: {s['preemptions']} preemptions ({s['recomputed_tokens']} tokens "
                      f"computed again), {s['prefix_cache_hit_tokens']} prompt tokens from the "
                      "prefix cache")
+    for i, r in enumerate(s.get("recoveries") or (), 1):
+        who = "a stage" if r["stage"] is None else f"stage {r['stage']} tp rank {r['tp_rank']}"
+        lines.append(f"  recovery {i} at {_t(r['at_s'])}: {who} failed; workers replaced in "
+                     f"{_t(r['seconds'])} ({r['attempts']} attempt(s)), {r['requests']} requests "
+                     f"computed {r['tokens']} tokens again")
     if s.get("partial"):  # reports before these keys have neither
         lines.insert(1, f"  PARTIAL: interrupted by {s['interrupted_by']}; the unfinished "
                         "requests ended with finish reason error")

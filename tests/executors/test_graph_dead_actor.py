@@ -22,7 +22,8 @@ import ray
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.config import load_config
 
-cfg = load_config("tiny", pp={pp}, executor="ray", threads_per_worker=1, compiled_graph=True)
+cfg = load_config("tiny", pp={pp}, executor="ray", threads_per_worker=1, compiled_graph=True,
+                  recovery_attempts=0)  # recovery off: the failure as reported
 llm = LLM(cfg)
 ex = llm.executor
 assert ex.graph and ex.dag is not None, ex.describe()

@@ -218,7 +218,8 @@ def test_every_stage_actor_and_call_is_named_in_the_state_api(local_ray):
 
 
 def _run_with_fault(inject, **overrides):
-    llm = LLM(tiny(**overrides))
+    """With recovery off (tests/executors/test_recovery.py: with it on)."""
+    llm = LLM(tiny(recovery_attempts=0, **overrides))
     actors = list(llm.executor.actors)
     prompts = [[1 + i] * 30 for i in range(4)]
     calls = []

@@ -94,7 +94,7 @@ def model_name(server) -> str:
 
 def test_health_needs_no_key_and_everything_else_does(server):
     assert server.json("GET", "/health", auth=False) == (200, {
-        "status": "ok", "model": model_name(server), "running": 0, "waiting": 0})
+        "status": "ok", "model": model_name(server), "running": 0, "waiting": 0, "recoveries": 0})
     for path in ("/v1/models", "/metrics"):
         status, body = server.json("GET", path, auth=False)
         assert status == 401 and body["error"]["code"] == "invalid_api_key"

@@ -1,0 +1,135 @@
+"""Recovery in place on a real Ray PP = 3 pipeline (engine/recovery.py, RayExecutor.recover):
+a stage worker killed with SIGKILL (first, middle, last stage) or hung past the step
+timeout mid-generation is replaced, and every request ends with the tokens of a fault-free
+run; streams go on with no token twice or missing; requests that arrive meanwhile are all
+served; a stage whose weights fail to load every time spends the budget and ends every
+request with an error."""
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import ray  # noqa: E402
+
+from pp_runtime import LLM, SamplingParams  # noqa: E402
+from pp_runtime.core.driver import ExecutorFailed  # noqa: E402
+from pp_runtime.engine.online import Finished, Token  # noqa: E402
+
+pytestmark = pytest.mark.slow  # Ray actors (pytest.ini)
+
+PROMPTS = [[(7 * i + j) % 300 for j in range(n)] for i, n in enumerate((40, 5, 90, 17, 33, 64))]
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+SHAPE = dict(pp=3, chunk_size=32, tile_size=16, max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLM("tiny", executor="local", **SHAPE) as llm:
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert len(set(map(tuple, outs))) == len(outs)  # distinct: a mix-up would show
+    return outs
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM("tiny", executor="ray", threads_per_worker=1, compiled_graph=False,
+             step_timeout_s=10.0, recovery_attempts=50, **SHAPE) as llm:
+        yield llm
+
+
+def kill(llm, stage: int) -> None:
+    """SIGKILL the stage's worker process (what a crash or the OOM killer does)."""
+    os.kill(ray.get(llm.executor.actors[stage].pid.remote(), timeout=30), signal.SIGKILL)
+
+
+def after(n: int, fault):
+    """An on_microbatch callback that runs `fault()` once, after the n-th micro-batch."""
+    seen = []
+
+    def callback(mb, out):
+        seen.append(mb.mb_id)
+        if len(seen) == n:
+            fault()
+    return callback
+
+
+def test_weights_that_fail_to_load_every_time_spend_the_budget_and_end_every_request(tmp_path):
+    """First in the file: its pipeline starts before the module's holds Ray's CPUs."""
+    from conftest import hf_model
+
+    hf_model("gpt").save_pretrained(tmp_path)
+    llm = LLM.from_pretrained(tmp_path, executor="ray", threads_per_worker=1, pp=2,
+                              compiled_graph=False, recovery_attempts=2, recovery_window_s=600.0)
+    try:
+        def break_weights_and_kill():
+            for f in Path(tmp_path).glob("*.safetensors"):
+                f.write_bytes(b"not a checkpoint")
+            kill(llm, 1)
+
+        with pytest.raises(ExecutorFailed, match="not recovered: 2 recovery attempts") as err:
+            llm.generate([[1 + i] * 12 for i in range(3)], SamplingParams(max_tokens=30, ignore_eos=True),
+                         on_microbatch=after(3, break_weights_and_kill))
+        outs = err.value.outputs
+        assert all(o.finish_reason == "error" and o.error for o in outs), outs
+        assert "not recovered" in outs[0].error
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2], ids=["first", "middle", "last"])
+def test_a_killed_stage_is_replaced_and_every_output_equals_a_fault_free_run(llm, reference, stage):
+    before = len(llm.engine.recoveries)
+    old = list(llm.executor.actors)
+    got = llm.generate(PROMPTS, GREEDY, on_microbatch=after(4, lambda: kill(llm, stage)))
+    assert [o.token_ids for o in got] == reference
+    assert all(o.finish_reason == "length" for o in got)
+    r = llm.engine.recoveries[before:]
+    assert len(r) == 1 and r[0].stage == stage and r[0].attempts == 1, r
+    assert r[0].requests == len(PROMPTS) and r[0].tokens > 0
+    assert not set(llm.executor.actors) & set(old)  # every worker replaced
+
+
+def test_a_hung_stage_is_killed_after_the_step_timeout_and_replaced(llm, reference):
+    before = len(llm.engine.recoveries)
+    stall = lambda: llm.executor.actors[1].sleep.remote(600)  # noqa: E731 (its next micro-batch)
+    t0 = time.monotonic()
+    got = llm.generate(PROMPTS, GREEDY, on_microbatch=after(3, stall))
+    assert [o.token_ids for o in got] == reference
+    r = llm.engine.recoveries[before:]
+    assert len(r) == 1 and r[0].stage == 1 and "did not finish" in r[0].cause, r
+    assert time.monotonic() - t0 < 120  # not the 600 s stall
+
+
+def test_a_stream_across_a_recovery_has_every_token_once(llm, reference):
+    events, done = [], threading.Event()
+
+    def listener(event):
+        events.append(event)
+        if isinstance(event, Finished):
+            done.set()
+
+    engine, killed = llm.engine, []
+    watcher = engine.watch(after(5, lambda: killed.append(kill(llm, 2))))
+    try:
+        engine.add_request(PROMPTS[2], GREEDY, listener=listener, watcher=watcher, seed=0)
+        assert done.wait(120)
+    finally:
+        engine.unwatch(watcher)
+    assert killed, "the fault was not injected"
+    tokens = [e.token_id for e in events if isinstance(e, Token)]
+    assert tokens == reference[2] and events[-1].output.token_ids == reference[2]
+
+
+def test_requests_arriving_during_a_recovery_are_all_served(llm, reference):
+    before = len(llm.engine.recoveries)
+    arrivals = [0.0, 0.0, 1.0, 2.0, 3.0, 4.0]  # the workers are replaced meanwhile
+    got = llm.generate(PROMPTS, GREEDY, arrival_s=arrivals,
+                       on_microbatch=after(2, lambda: kill(llm, 0)))
+    assert [o.token_ids for o in got] == reference
+    assert len(llm.engine.recoveries) == before + 1
