@@ -2,7 +2,7 @@
 restart the whole group (`--max-restarts 1`), rank 0 resumes from its journal, and the
 outputs equal a fault-free run's, token for token (greedy).
 
-Real jobs under `pp_runtime.cli.agent` on 127.0.0.1 (gloo, tiny model, PP = 2); the fault
+Real jobs under `pp_runtime.cli.agent` on 127.0.0.1 (gloo, tiny model, PP = 2 or 3); the fault
 comes from the launcher's test hook PP_RUNTIME_FAULT (first attempt only)."""
 import json
 import os
@@ -19,18 +19,18 @@ pytestmark = pytest.mark.slow  # torchrun processes (pytest.ini)
 
 ARGS = ["--config", "tiny", "--quiet", "--set", "workload.kind=fixed", "--set", "prompt_len=40",
         "--set", "output_len=12", "--requests", "6", "--set", "threads_per_worker=1",
-        "--set", "pp=2", "--set", "step_timeout_s=10"]
+        "--set", "step_timeout_s=10"]
 
 
-def agent(out, fault=None, restarts=1, *extra):
+def agent(out, fault=None, restarts=1, pp=2):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
     env.pop("PP_RUNTIME_FAULT", None)
     if fault:
         env["PP_RUNTIME_FAULT"] = fault
     cmd = [sys.executable, "-m", "pp_runtime.cli.agent", "--nnodes", "1", "--nproc-per-node",
-           "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           str(pp), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            "--max-restarts", str(restarts), "-m", "pp_runtime.cli.torchrun", "--out", str(out),
-           *ARGS, *extra]
+           *ARGS, "--set", f"pp={pp}"]
     t0 = time.monotonic()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     r.wall_s = time.monotonic() - t0
@@ -49,11 +49,18 @@ def journal_tokens(d):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fault_free")
-    r = agent(out)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming" not in r.stderr
-    return outputs(out)
+    """The fault-free run's outputs, by pipeline depth (each run once)."""
+    runs = {}
+
+    def at(pp=2):
+        if pp not in runs:
+            out = tmp_path_factory.mktemp(f"fault_free_pp{pp}")
+            r = agent(out, pp=pp)
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert "resuming" not in r.stderr
+            runs[pp] = outputs(out)
+        return runs[pp]
+    return at
 
 
 def check_healed(r, out, reference):
@@ -73,15 +80,16 @@ def check_healed(r, out, reference):
     assert replay.done and replay.tokens == {i: o["token_ids"] for i, o in enumerate(got)}
 
 
-def test_a_killed_rank_is_restarted_and_the_run_resumes(tmp_path, reference):
-    r = agent(tmp_path, "rank=1,after_mb=8,mode=kill")
-    check_healed(r, tmp_path, reference)
+@pytest.mark.parametrize("pp", [2, 3])  # the last stage; the middle one
+def test_a_killed_rank_is_restarted_and_the_run_resumes(tmp_path, reference, pp):
+    r = agent(tmp_path, "rank=1,after_mb=8,mode=kill", pp=pp)
+    check_healed(r, tmp_path, reference(pp))
     assert "exitcode: -9" in r.stderr or "exitcode  : -9" in r.stderr
 
 
 def test_a_hung_rank_is_given_up_after_the_step_timeout_and_the_run_resumes(tmp_path, reference):
     r = agent(tmp_path, "rank=1,after_mb=8,mode=hang")
-    check_healed(r, tmp_path, reference)
+    check_healed(r, tmp_path, reference())
     assert "rank 0: the pipeline broke (RuntimeError: rank 1 (stage 1), micro-batch 8" in r.stderr
     assert "Timed out waiting 10000ms" in r.stderr
     assert r.wall_s < 150  # the hung rank was ended, not waited for (30 min of gloo)
@@ -91,7 +99,7 @@ def test_a_journal_of_another_run_is_refused_not_replayed(tmp_path):
     other = journal.run_id({"model": {"name": "something else"}}, None)
     journal.Journal(tmp_path / journal.NAME, other, {0: [1, 2]}, what="another run").close()
     before = (tmp_path / journal.NAME).read_bytes()
-    r = agent(tmp_path, None, 0)
+    r = agent(tmp_path, None, restarts=0)
     assert r.returncode != 0
     assert f"error (rank 0): {tmp_path / journal.NAME} is the journal of another run " \
            "(another run;" in r.stderr, r.stderr[-3000:]
