@@ -9,6 +9,12 @@ frontier, and whether the winners and frontiers are the same.
 
     python benchmarks/plan_paths.py --out runs/plan_paths/gpt3 -- \\
         --model gpt3-175b --gpus 64 --gpu a100-80gb --ttft-slo 5 --tbt-slo 0.2
+
+--against DIR compares with the plan.json of an exhaustive run kept in DIR (an earlier
+run of this script: DIR/exhaustive) instead of running it again (30 min for GPT-3 on
+this machine); that run's code must price probes as this one's does (a change to the
+search alone, not to the simulator, the planner or the cost model). The exhaustive run's
+wall time then comes from its log, when kept beside it.
 """
 from __future__ import annotations
 
@@ -41,10 +47,44 @@ def run(name: str, argv: list[str], out: Path, extra: list[str]) -> dict:
     return {"wall": wall, "best": plan["best"], "frontier": front}
 
 
+def kept(where: Path, argv: list[str]) -> dict:
+    """An earlier exhaustive run's answer (--against), checked to be the same plan."""
+    plan = json.loads((where / "plan.json").read_text())
+    if not plan["args"].get("exhaustive"):
+        sys.exit(f"--against {where}: not an exhaustive run")
+    mine = vars(_plan_args(argv))
+    differ = [k for k, v in mine.items()
+              if k not in SEARCH_ONLY and k in plan["args"] and plan["args"][k] != v]
+    if differ:
+        sys.exit(f"--against {where}: another plan ({', '.join(differ)} differ)")
+    front = [(f["deployment"], round(f["per_gpu"], 6)) for f in plan["frontier"]]
+    log = where.parent / "exhaustive.log"
+    probes = next((line.strip() for line in log.read_text().splitlines() if " probes, " in line),
+                  "") if log.is_file() else ""
+    print(f"{'exhaustive (kept)':<22} {where}: {probes}", flush=True)
+    print(f"{'':<22} winner: {plan['best']}", flush=True)
+    return {"wall": None, "best": plan["best"], "frontier": front}
+
+
+# flags that change how the plan searches or what it writes, not its answer
+SEARCH_ONLY = {"exhaustive", "full_probes", "cache", "no_cache", "out", "quiet", "jobs",
+               "budget_minutes", "func"}
+
+
+def _plan_args(argv: list[str]):
+    from pp_runtime.cli import plan as cli_plan
+
+    ap = argparse.ArgumentParser()
+    cli_plan.add_parser(ap.add_subparsers())
+    return ap.parse_args(["plan", *argv])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/plan_paths")
     ap.add_argument("--full", action="store_true", help="the exhaustive path runs every probe in full")
+    ap.add_argument("--against", help="a directory holding an earlier exhaustive run's plan.json: "
+                                      "compare with it instead of running the exhaustive path")
     ap.add_argument("plan_args", nargs=argparse.REMAINDER, help="-- then `pp-runtime plan` flags")
     args = ap.parse_args()
     argv = [a for a in args.plan_args if a != "--"]
@@ -53,11 +93,15 @@ def main() -> int:
     cache = ["--cache", str(out / "cache")]
     fast = run("fast", argv, out, cache)
     again = run("fast, cache warm", argv, out, cache)
-    full = run("exhaustive", argv, out, ["--exhaustive", "--no-cache", "--budget-minutes", "120"]
-               + (["--full-probes"] if args.full else []))
+    if args.against:
+        full = kept(Path(args.against), argv)
+    else:
+        full = run("exhaustive", argv, out, ["--exhaustive", "--no-cache", "--budget-minutes", "120"]
+                   + (["--full-probes"] if args.full else []))
     print(f"\nsame winner: {fast['best'] == full['best'] == again['best']}; same frontier: "
           f"{fast['frontier'] == full['frontier'] == again['frontier']}; "
-          f"exhaustive / fast wall: {full['wall'] / fast['wall']:.1f}x")
+          + (f"exhaustive / fast wall: {full['wall'] / fast['wall']:.1f}x" if full["wall"] else
+             "exhaustive: kept from an earlier run"))
     for i, (name, per_gpu) in enumerate(fast["frontier"], 1):
         print(f"  {i:02d} {name:<44} {per_gpu:.4f} req/s/GPU")
     if fast["frontier"] != full["frontier"]:

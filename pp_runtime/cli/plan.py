@@ -37,6 +37,10 @@ def add_parser(sub) -> None:
     p.add_argument("--memory-gb", type=positive_float, help="memory of one device (default: the GPU's; "
                                                    "cpu: a quarter of the RAM shared by --gpus, at most 4)")
     p.add_argument("--profile", help="a directory from `pp-runtime profile` (what --gpu cpu prices)")
+    p.add_argument("--calibrate", type=non_negative_int, default=8, metavar="N",
+                   help="with --profile and --gpu cpu: a layout the profile has no calibration "
+                        "for is calibrated first, as `pp-runtime profile --calibrate N` does (N "
+                        "requests for real on this machine; default 8; 0: priced uncalibrated)")
     p.add_argument("--workload", default=PAPER, help=WORKLOAD_HELP)
     p.add_argument("--requests", type=number(int, 2), default=200, help="requests per probe (default 200)")
     p.add_argument("--ttft-slo", type=positive_float, required=True, help="p99 time to first token, s")
@@ -161,6 +165,7 @@ def cmd_plan(args) -> int:
           f"p99 TBT <= {args.tbt_slo * 1e3:g} ms", flush=True)
     if args.profile:
         print(f"  {calibration_line(args.profile)}", flush=True)
+        items, outs = calibrate_layouts(args, base, items, outs, planners, chunks, lengths, slo)
     tile = base.planner.tile_size
     if any(c % tile for c in chunks):
         print(f"  note: chunk sizes {', '.join(str(c) for c in chunks if c % tile)} are not multiples "
@@ -181,6 +186,20 @@ def cmd_plan(args) -> int:
     print(f"\n{probes} probes, {simulated} simulated, {probes - simulated} read from the cache; "
           f"search {elapsed:.1f} s", flush=True)
     return finish(args, base, dict(items), results, outs, slo, lengths, elapsed)
+
+
+def calibrate_layouts(args, base, items, outs, planners, chunks, lengths, slo):
+    """Each layout's calibration said (`plan/calibrated.py`), a missing one measured first
+    on this machine (--gpu cpu, --calibrate N); the candidates priced again if one was."""
+    from pp_runtime.plan import calibrated, space
+
+    firsts: dict = {}
+    for cand, cfg in items:
+        firsts.setdefault(cand.layout, cfg)
+    if not calibrated.ensure(list(firsts.values()), args.profile, args.calibrate, args.gpu == "cpu"):
+        return items, outs
+    space.forget()
+    return space.candidates(base, args.gpus, planners, chunks, lengths, (slo.tbt_s, slo.ttft_s))
 
 
 def finish(args, base, configs, results, outs, slo, lengths, elapsed) -> int:
@@ -236,8 +255,8 @@ def calibration_line(profile: str) -> str:
 
     f = Path(profile).expanduser() / calibration.FILE
     if not f.is_file():
-        return (f"calibration: none in {profile}: the simulator is uncalibrated (predictions run "
-                f"optimistic); `pp-runtime profile --calibrate N --out {profile}` measures it")
+        return (f"calibration: none in {profile} (no {calibration.FILE}, which `pp-runtime profile "
+                f"--calibrate N --out {profile}` writes): uncalibrated, predictions run optimistic")
     try:
         keys = sorted(json.loads(f.read_text()))
     except ValueError:

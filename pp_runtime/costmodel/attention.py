@@ -18,12 +18,13 @@ overheads) stay as measured.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pp_runtime.costmodel.profiles import MS, median, read_table
+from pp_runtime.costmodel.profiles import MS, _read_table, median, read_table
 from pp_runtime.costmodel.roofline import LayerShape
 
 
@@ -73,8 +74,15 @@ def fit_attention(path: Path, shape: LayerShape, label: str,
                   exact: bool) -> AttentionFit | None:
     """Fit the rows of `path` for `shape` (exact: n_embd, heads and tp all equal; else any
     rows with the same head_dim, the first shape found). None when no rows fit, or too few
-    (4 prefill and 3 decode points at least)."""
-    t = read_table(path)
+    (4 prefill and 3 decode points at least). Fitted once per file version (its mtime) and
+    arguments in a process."""
+    return _fit_attention(str(path), path.stat().st_mtime, shape, label, exact)
+
+
+@functools.lru_cache(maxsize=64)
+def _fit_attention(path: str, mtime: float, shape: LayerShape, label: str,
+                   exact: bool) -> AttentionFit | None:
+    t = _read_table(path, mtime)
     keys = ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers")
     if not len(t.get("n_embd", ())):
         return None

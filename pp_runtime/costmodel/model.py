@@ -130,8 +130,9 @@ class StageCostModel:
         if tokens >= self._size:
             self._grow(2 * tokens)
         rows, fit = nd + len(prefills), self.fit
-        return (fit.per_layer(self._layer[tokens] + attn), fit.extra(self._emb[tokens]),
-                fit.extra(self._head[rows], rows))
+        scale = fit.scale  # fit.per_layer and fit.extra, written out (the hot path)
+        return (scale * (self._layer[tokens] + attn) + fit.per_layer_s, scale * self._emb[tokens],
+                scale * self._head[rows] + fit.per_row_s * rows)
 
     def stage_times(self, prefills: Sequence[tuple[int, int]],
                     decode_kv_lens: Sequence[int]) -> list[float]:

@@ -82,7 +82,15 @@ class LinearTable:
 
 def load_linear_tables(path: Path, device: DeviceSpec, label: str,
                        dtype_bytes: int = 2) -> list[LinearTable]:
-    t = read_table(path)
+    """The table of every shape the CSV measured; read once per file version (its mtime)
+    and arguments in a process: a plan builds a cost model for every layout it prices."""
+    return list(_linear_tables(str(path), path.stat().st_mtime, device, label, dtype_bytes))
+
+
+@functools.lru_cache(maxsize=32)
+def _linear_tables(path: str, mtime: float, device: DeviceSpec, label: str,
+                   dtype_bytes: int) -> tuple[LinearTable, ...]:
+    t = _read_table(path, mtime)
     keys = ("n_embd", "n_head", "n_kv_head", "n_expanded_embd", "use_gated_mlp",
             "num_tensor_parallel_workers", "vocab_size")
     cols = np.stack([t[k] for k in keys], axis=1)
@@ -99,7 +107,7 @@ def load_linear_tables(path: Path, device: DeviceSpec, label: str,
                 if ok.any():
                     curves[op] = Curve.of(t["num_tokens"][rows][ok], y[ok])
         tables.append(LinearTable(shape, curves, device, label))
-    return tables
+    return tuple(tables)
 
 
 def match_linear(shape: LayerShape, tables: list[LinearTable]) -> tuple[LinearTable, bool] | None:

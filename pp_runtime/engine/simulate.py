@@ -74,12 +74,14 @@ def _watched(bar: tqdm, watch: Callable, rec: RunRecorder, requests: list[Reques
 
 
 def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True,
-             watch: Callable[[RunRecorder, list[Request], float], None] | None = None) -> RunResult:
+             watch: Callable[[RunRecorder, list[Request], float], None] | None = None,
+             recorder: Callable[..., RunRecorder] = RunRecorder) -> RunResult:
     """Run cfg's workload through cfg's planner on the simulated pipeline; ConfigError first
     if the deployment does not fit in the simulated GPUs' memory or its KV slots. `watch`
     (recorder, requests, virtual now) is called after every micro-batch's tokens; what it
     raises ends the run and propagates (`pp-runtime plan` stops a probe whose SLO miss is
-    already certain). Ctrl-C
+    already certain). `recorder`: what records each replica, called as RunRecorder is
+    (`pp-runtime plan` keeps only what a probe reports). Ctrl-C
     (or SIGTERM under `interrupt.handled()`) re-raises with the partial result attached
     (`exc.result`): every request not finished by then ends with finish reason error."""
     check_memory(cfg)
@@ -102,7 +104,7 @@ def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True,
             planner = make_planner(cfg, cost)
             for i in ids:
                 planner.add(requests[i])
-            rec = RunRecorder(clock, replica=r, on_tokens=bar.update)
+            rec = recorder(clock, replica=r, on_tokens=bar.update)
             if watch is not None:
                 rec.on_tokens = _watched(bar, watch, rec, requests, clock)
             replicas.append(rec)

@@ -69,6 +69,7 @@ class SimExecutor:
         self.call = [host.between_calls(s) if host else 0.0 for s in range(pp)]
         self.plan, self.submit_s, self.dispatch, self.ret = (
             (host.plan_s, host.submit_s, host.dispatch_s, host.return_s) if host else (0.0,) * 4)
+        self._sends: dict[int, list[float]] = {}  # num_tokens -> each stage's receive (0: none)
         self.free = [float("-inf")] * pp  # when each stage ended its last call (compute + send wait)
         self.received = [0.0] * pp  # when each stage finished receiving its last micro-batch
         self._done: dict[int, tuple[float, SampledTokens]] = {}
@@ -88,6 +89,10 @@ class SimExecutor:
         num_tokens, posted, end, done = sum(n for _, n in prefills) + len(decodes), 0.0, 0.0, 0.0
         costs = self.cost.stage_times(prefills, decodes)
         last = len(costs) - 1
+        sends = self._sends.get(num_tokens)
+        if sends is None:  # the same sizes come again and again: priced once each
+            sends = self._sends[num_tokens] = [0.0] + [
+                self.cost.send_time(num_tokens, s) for s in range(1, len(costs))]
         for stage, compute in enumerate(costs):
             ready = free[stage] + call[stage]  # -inf before its first call
             take = ready if ready > now else now
@@ -96,7 +101,7 @@ class SimExecutor:
                 start = take
             else:
                 wait = posted - take if posted > take else 0.0
-                transfer = self.cost.send_time(num_tokens, stage)
+                transfer = sends[stage]
                 start = (posted if posted > take else take) + transfer
             end = start + compute
             nxt = received[stage + 1] if stage < last else 0.0

@@ -19,6 +19,7 @@ every answer back.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -57,7 +58,7 @@ class Slo:
 
 class ClearMiss(Exception):
     """Raised by `Watch` inside the simulation: the probe misses whatever comes next.
-    served_qps: the requests finished per second until then (where to look next)."""
+    served_qps: the requests per second the run worked at (`Watch.served`: where to look next)."""
 
     def __init__(self, what: str, served_qps: float):
         super().__init__(what)
@@ -72,13 +73,17 @@ def _need(n: int) -> int:
 class Watch:
     """Stops a simulation whose p99 TTFT or p99 TBT miss is certain (module docstring)."""
 
-    def __init__(self, slo: Slo, num_requests: int, num_tokens: int):
-        self.slo = slo
+    def __init__(self, slo: Slo, num_requests: int, num_tokens: int, mean_tokens: float = 0.0):
+        self.slo, self.mean_tokens = slo, mean_tokens
         self.need_ttft, self.need_tbt = _need(num_requests), _need(max(1, num_tokens))
         self.next = self.late = self.gap = self.slow = 0
+        self.times: list[float] = []  # when each micro-batch came back
+        self.done: list[int] = []  # tokens computed until then
 
     def __call__(self, rec, requests, now: float) -> None:
         ttft = self.slo.ttft_s
+        self.times.append(now)
+        self.done.append((self.done[-1] if self.done else 0) + rec.last_tokens)
         while self.next < len(requests) and requests[self.next].arrival_s + ttft < now:
             r = requests[self.next]  # its deadline passed: on time or not is settled
             self.late += r.first_token_s is None or r.first_token_s - r.arrival_s > ttft
@@ -89,8 +94,19 @@ class Watch:
         what = (f"p99 TTFT > {ttft:g} s" if self.late >= self.need_ttft else
                 f"p99 TBT > {tbt * 1e3:.0f} ms" if self.slow >= self.need_tbt else None)
         if what:
-            served = sum(r.finish_reason is not None for r in requests) / now if now > 0 else 0.0
-            raise ClearMiss(f"{what} certain at {now:.0f} s of the run", served)
+            raise ClearMiss(f"{what} certain at {now:.0f} s of the run", self.served(now))
+
+    def served(self, now: float) -> float:
+        """Requests per second the replica worked at in the second half of the run so far:
+        the tokens its micro-batches computed then / the workload's mean tokens per request
+        (a run that misses is behind, so this is near what it can carry; the first half,
+        which fills an empty pipeline, is left out). 0 where unknown."""
+        half = now / 2
+        i = bisect.bisect_right(self.times, half)
+        if not self.mean_tokens or i == len(self.times):
+            return 0.0
+        before = self.done[i - 1] if i else 0
+        return (self.done[-1] - before) / self.mean_tokens / (now - half)
 
 
 @lru_cache(maxsize=None)
@@ -121,9 +137,9 @@ class ProbeCache:
         self.asked = 0  # probes asked for (simulated or read back)
 
     def key(self, cfg: Config, slo: Slo) -> str:
-        """The probe's config and SLOs (what "ok" and the early stop were judged by), the
-        code and the profile."""
-        text = json.dumps([cfg.to_dict(), [slo.ttft_s, slo.tbt_s], code_fingerprint(),
+        """The probe's config as the simulation sees it (`as_run`) and SLOs (what "ok" and
+        the early stop were judged by), the code and the profile."""
+        text = json.dumps([as_run(cfg).to_dict(), [slo.ttft_s, slo.tbt_s], code_fingerprint(),
                            _profile_stamp(cfg.hardware.profile)], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -145,6 +161,25 @@ class ProbeCache:
         os.replace(tmp, self.root / f"{key}.json")  # atomic: workers share the directory
 
 
+def as_run(cfg: Config) -> Config:
+    """cfg as far as its simulation can tell: `uniform` caps its prompt chunks at the cost
+    model's knee (planner/uniform.py: `top`, planner/budget.py: `knee`) and reads the chunk
+    size nowhere else, so a chunk size past the knee runs as the knee. Two candidates
+    that differ only there (C 1024 and 2048 with the same B) share their probes."""
+    pl = cfg.planner
+    if pl.planner != "uniform" or not pl.chunk_size:
+        return cfg
+    top = _knee(cost_model(cfg), pl.tile_size)
+    return replace(cfg, planner=replace(pl, chunk_size=top)) if pl.chunk_size > top else cfg
+
+
+@lru_cache(maxsize=None)
+def _knee(cost, tile: int) -> int:
+    from pp_runtime.planner.budget import knee
+
+    return knee(cost, tile)[0]
+
+
 def probe_config(cfg: Config, replicas: int, per_gpu: float, slo: Slo) -> Config:
     """One replica's config at its share of `per_gpu` x the layout's GPUs, its arrivals
     spanning at least SPAN_TTFTS TTFT SLOs."""
@@ -161,14 +196,15 @@ def simulate_probe(one: Config, cost, slo: Slo, replicas: int, stop_early: bool)
     and the requests one replica finished per second (served_qps)."""
     from pp_runtime.core.workload import generate
     from pp_runtime.engine.simulate import simulate
-    from pp_runtime.telemetry.report import build_report
+    from pp_runtime.plan.record import ProbeRecorder, summary
 
     watch = None
     if stop_early:
         specs = generate(one.workload)
-        watch = Watch(slo, len(specs), sum(s.output_len for s in specs))
+        watch = Watch(slo, len(specs), sum(s.output_len for s in specs),
+                      sum(s.prompt_len + s.output_len for s in specs) / len(specs))
     try:
-        s = build_report(simulate(one, cost, progress=False, watch=watch))["summary"]
+        s = summary(simulate(one, cost, progress=False, watch=watch, recorder=ProbeRecorder))
     except ClearMiss as miss:
         return {"ok": False, "stopped": str(miss), "tbt_p99_s": None, "ttft_p99_s": None,
                 "served_qps": miss.served_qps}

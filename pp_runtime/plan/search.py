@@ -40,6 +40,7 @@ REL_TOL = 0.05  # the grid's step (probe.STEP - 1)
 START = 0.8  # a search starts at this share of the bound (capacities came at 0.5-0.98 of it)
 FIRST_JUMP = 2  # grid steps of the first bracketing move (x 1.10), doubled after each
 FLOOR = 1e-4  # no capacity searched below this share of the bound
+WEAK = 0.4  # fast path: a layout's first candidate below this share of its bound is weak
 LOST = "lost at the layout's best"
 PASSED = "passed the layout's best"  # fast path, between its phases
 __all__ = ["Slo", "Result", "search", "upper_bound", "LOST", "REL_TOL"]
@@ -113,54 +114,68 @@ def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
                   known_ok: int | None = None,
                   hint: Callable[[int], int | None] | None = None) -> int | None:
     """The highest k in [floor, top] with ok(k), ok taken as monotone (true up to the
-    capacity, false above); None if none is. known_ok: a k already known ok. hint(k), after
-    k missed: a grid point it suggests (the rate the miss still served): the next probe goes
-    no higher, and from one that passes there the search climbs in small steps. Which
-    points are probed changes, not the answer."""
-    lo, hi, jump, hinted = known_ok, None, FIRST_JUMP, False
+    capacity, false above); None if none is. known_ok: a k already known ok (the first
+    probe is then the higher of start and known_ok + 1: a miss up there is cheap, it stops
+    early). hint(k), after k missed: a grid point it suggests (the rate the miss still
+    served): the next probe goes no higher, and from one that passes there the search
+    climbs in small steps. Which points are probed changes, not the answer."""
+    lo, hi, jump, step = known_ok, None, FIRST_JUMP, 0  # step: climbing from a hinted pass
     if lo is not None and lo >= top:
         return lo
-    if lo is not None:  # just above a known best: most candidates that pass it pass it by little
-        jump = 1
-    k = min(lo + jump, top) if lo is not None else min(max(start, floor), top)
-    while True:  # bracket: move away from the last answer in growing steps
+    k = min(max(start, floor) if lo is None else max(start, lo + 1), top)
+    while True:
+        climb = step  # after a pass: how far up the next probe goes (0: bisect)
         if ok(k):
-            lo = k
-            if hi is not None or k >= top:
-                break
-            k = min(k + jump, top)
+            lo, step = k, 2 * step
+            if k >= top:
+                return lo
+            if hi is None:  # bracket: up in growing steps
+                k, jump = min(k + jump, top), 2 * jump
+                continue
         else:
             hi = k
-            if lo is not None:
-                break
-            if k <= floor:
+            if lo is None and k <= floor:
                 return None
             guess = hint(k) if hint else None
-            hinted = guess is not None and guess < k - jump
-            k = max(floor, guess if hinted else k - jump)
-        jump *= 2
-    step = 1 if hinted else 0  # gallop up from a hinted point, else bisect
-    while hi is not None and hi - lo > 1:
-        mid = min(lo + step, (lo + hi) // 2) if step else (lo + hi) // 2
-        if ok(mid):
-            lo, step = mid, 2 * step
-        else:
-            hi, step = mid, 0
-    return lo
+            if lo is None:  # bracket: down, no higher than the hint, in growing steps
+                k, step, jump = _down(k, guess, jump, floor)
+                continue
+            step = climb = 1 if guess is not None and lo < guess < hi - 1 else 0
+            if step:
+                k = guess
+                continue
+        if hi - lo <= 1:
+            return lo
+        k = min(lo + climb, (lo + hi) // 2) if climb else (lo + hi) // 2
+
+
+def _down(k: int, guess: int | None, jump: int, floor: int) -> tuple[int, int, int]:
+    """After a miss at k with nothing known to pass: the next probe (the hint's point, but
+    at least jump / 2 lower: hints that creep down speed up), the climbing step (1: the
+    hint chose it), the next jump."""
+    if guess is not None and guess < k:
+        nxt, step = min(guess, k - jump // 2), int(guess <= k - jump // 2)
+    else:
+        nxt, step = k - jump, 0
+    return max(floor, nxt), step, 2 * jump
 
 
 def search_candidate(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache_dir: str | None,
-                     best: int | None, climb: bool = True) -> tuple[Result, tuple[int, int]]:
+                     best: int | None, climb: bool = True,
+                     high: bool = False) -> tuple[Result, tuple[int, int]]:
     """One candidate searched (run in a worker process; module docstring); best: its
     layout's best grid point known (fast path, None: search it to its capacity); climb
-    False: stop once it passes best + 1 (outcome PASSED). Returns it and the probes
-    simulated and asked for (the rest came from the cache)."""
+    False: stop once it passes best + 1 (outcome PASSED); high: no probe at best + 1
+    first, the search comes down to it from the candidate's own start (a layout whose
+    best so far is far below its candidates' bounds: passing there is slow, missing up
+    high is quick). Returns it and the probes simulated and asked for (the rest came from
+    the cache)."""
     import warnings
 
     warnings.simplefilter("ignore", UserWarning)  # e.g. a chunk off the tile: said once by `plan`
     t0, cache = time.perf_counter(), ProbeCache(cache_dir)
     try:
-        _search_one(res, cfg, slo, stop_early, cache, best, climb)
+        _search_one(res, cfg, slo, stop_early, cache, best, climb, high)
     except ConfigError as exc:  # a deployment the simulator refuses: out, with its reason
         res.outcome, res.detail = "error", {"error": str(exc)}
     res.seconds = time.perf_counter() - t0
@@ -168,7 +183,7 @@ def search_candidate(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache
 
 
 def _search_one(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache: ProbeCache,
-                best: int | None, climb: bool) -> None:
+                best: int | None, climb: bool, high: bool) -> None:
     lay = res.candidate.layout
     prober = Prober(cfg, lay.replicas, slo, cache, stop_early)
     seen: dict[int, Probe] = {}
@@ -179,6 +194,10 @@ def _search_one(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache: Pro
             res.probes.append(seen[k])
         return seen[k].ok
 
+    def served(k: int) -> int | None:  # where a miss suggests looking: the rate it served
+        per_gpu = (seen[k].detail.get("served_qps") or 0.0) / (cfg.parallel.tp * cfg.parallel.pp)
+        return grid_index(per_gpu) if per_gpu > 0 else None
+
     top = grid_index(res.bound_qps / lay.gpus)
     floor = grid_index(res.bound_qps / lay.gpus * FLOOR)
     known = None
@@ -186,19 +205,21 @@ def _search_one(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache: Pro
         if top < best + 1:
             res.outcome = "bound"
             return
-        if not ok(best + 1):
+        if high:  # down to best + 1 at the lowest: None there is lost
+            floor = best + 1
+        elif not ok(best + 1):
             res.outcome, res.detail = LOST, seen[best + 1].detail
             return
-        if not climb:
+        elif not climb:
             res.outcome = PASSED
             return
-        known = best + 1
-    def served(k: int) -> int | None:  # where a miss suggests looking: the rate it served
-        per_gpu = (seen[k].detail.get("served_qps") or 0.0) / (cfg.parallel.tp * cfg.parallel.pp)
-        return grid_index(per_gpu) if per_gpu > 0 else None
-
+        else:
+            known = best + 1
     res.k = grid_capacity(ok, grid_index(res.bound_qps / lay.gpus * START), top, floor, known,
                           served)
+    if res.k is None and best is not None:
+        res.outcome, res.detail = LOST, seen[best + 1].detail
+        return
     res.outcome = "searched"
     res.detail = (seen[res.k] if res.k is not None else res.probes[-1]).detail
 
@@ -228,21 +249,30 @@ def fast_phases(run: "Runner", groups: list[list[tuple[Result, Config]]]) -> Non
     one against its layout's best, one probe at most; (3) those that passed, searched on
     one after the other within their layout, each against the best so far (their probe
     of (2) comes back from the cache): the same answer as searching each layout in order,
-    with the processes busy in (1) and (2)."""
+    with the processes busy in (1) and (2). A layout whose first candidate came out below
+    WEAK x its bound (or met nothing) skips (2): its others one after the other from
+    their own start (`search_candidate`'s high), begun beside (2)."""
     run([g[0] + (None,) for g in sorted(groups, key=lambda g: -g[0][1].parallel.pp)])
-    rest = [(res, cfg, g[0][0].k) for g in groups for res, cfg in g[1:]]
-    run(rest, climb=False)
-    passed = [[(res, cfg) for res, cfg in g[1:] if res.outcome == PASSED] for g in groups]
-    run.layouts([(g[0][0].k, p) for g, p in zip(groups, passed) if p])
+    weak = [g for g in groups if _weak(g[0][0])]
+    strong = [g for g in groups if not _weak(g[0][0])]
+    started = run.start_layouts([(g[0][0].k, g[1:]) for g in weak if g[1:]], high=True)
+    run([(res, cfg, g[0][0].k) for g in strong for res, cfg in g[1:]], climb=False)
+    passed = [[(res, cfg) for res, cfg in g[1:] if res.outcome == PASSED] for g in strong]
+    run.collect(run.start_layouts([(g[0][0].k, p) for g, p in zip(strong, passed) if p]) + started)
+
+
+def _weak(first: Result) -> bool:
+    return first.k is None or rate(first.k) < WEAK * first.bound_qps / first.candidate.layout.gpus
 
 
 def search_in_order(best: int | None, items: list[tuple[Result, Config]], slo: Slo,
-                    stop_early: bool, cache_dir: str | None) -> tuple[list[Result], tuple[int, int]]:
+                    stop_early: bool, cache_dir: str | None,
+                    high: bool = False) -> tuple[list[Result], tuple[int, int]]:
     """Candidates of one layout searched one after the other, each against the best so far."""
     simulated = asked = 0
     for i, (res, cfg) in enumerate(items):
         fresh = Result(res.candidate, res.bound_qps, res.order)
-        got, (n, m) = search_candidate(fresh, cfg, slo, stop_early, cache_dir, best)
+        got, (n, m) = search_candidate(fresh, cfg, slo, stop_early, cache_dir, best, high=high)
         items[i] = (got, cfg)
         simulated, asked = simulated + n, asked + m
         if got.k is not None and (best is None or got.k > best):
@@ -300,13 +330,17 @@ class Runner:
                 self.simulated, self.asked = self.simulated + n, self.asked + m
                 self.bar.update(climb or got.outcome != PASSED)
 
-    def layouts(self, tasks: list[tuple[int | None, list[tuple[Result, Config]]]]) -> None:
-        """Each task's candidates in order in one process (`search_in_order`)."""
-        futs = {self.pool.submit(search_in_order, best, items, *self.args): items
-                for best, items in tasks}
-        for fut in futs:
+    def start_layouts(self, tasks: list[tuple[int | None, list[tuple[Result, Config]]]],
+                      high: bool = False) -> list:
+        """Each task's candidates in order in one process (`search_in_order`), submitted
+        now; `collect` waits for them."""
+        return [(self.pool.submit(search_in_order, best, list(items), *self.args, high), items)
+                for best, items in tasks]
+
+    def collect(self, started: list) -> None:
+        for fut, items in started:
             got, (n, m) = fut.result()
-            for (slot, _), new in zip(futs[fut], got):
+            for (slot, _), new in zip(items, got):
                 slot.__dict__.update(new.__dict__)
                 self.bar.update(1)
             self.simulated, self.asked = self.simulated + n, self.asked + m

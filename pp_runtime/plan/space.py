@@ -143,6 +143,12 @@ def cost_model(cfg: Config):
     return _COSTS[key]
 
 
+def forget() -> None:
+    """Drop the cost models and splits built so far (the profile's calibration changed)."""
+    _COSTS.clear()
+    _SPLITS.clear()
+
+
 def resolve_split(cfg: Config) -> Config:
     """cfg with an `auto` layer split written out, chosen once per layout (tp, pp): the
     balance of the micro-batches typical at the planner's default C and B (costmodel/

@@ -116,3 +116,72 @@ def test_the_profile_calibration_is_said_in_one_line(tmp_path):
     (tmp_path / "calibration.json").write_text('{"local/pp1": {}, "ray/pp2": {}}')
     found = calibration_line(str(tmp_path))
     assert "(local/pp1, ray/pp2)" in found and "\n" not in found
+
+
+def test_a_layout_without_calibration_is_calibrated_first_with_a_line(tmp_path, monkeypatch):
+    """--profile: each layout's calibration said; a missing one measured first on this
+    machine (--gpu cpu), as `profile --calibrate N` does; never on a GPU profile or at 0."""
+    from pp_runtime.config import Config, load_model_config
+    from pp_runtime.costmodel import calibration
+    from pp_runtime.plan import calibrated
+
+    cfg = Config(model=load_model_config("gpt2-small")).with_overrides(
+        **{"pp": 2, "hardware.profile": str(tmp_path)})
+    ran = []
+
+    def fake(c, profile, requests):  # the real run, stood in for: an entry saved
+        ran.append((c.parallel.pp, requests))
+        cal = calibration.Calibration("ray", c.parallel.pp)
+        calibration.save(profile, cal)
+        return cal
+
+    monkeypatch.setattr(calibrated, "measure", fake)
+    lines = []
+    log = lambda line, **_: lines.append(line)  # noqa: E731
+    assert calibrated.ensure([cfg], str(tmp_path), 0, True, log) == 0
+    assert calibrated.ensure([cfg], str(tmp_path), 8, False, log) == 0
+    assert not ran and all("none (ray/pp2)" in line and "uncalibrated" in line for line in lines)
+    lines.clear()
+    assert calibrated.ensure([cfg], str(tmp_path), 8, True, log) == 1
+    assert ran == [(2, 8)] and "measuring it now" in lines[0] and "--calibrate 8" in lines[0]
+    lines.clear()
+    assert calibrated.ensure([cfg], str(tmp_path), 8, True, log) == 0  # found now: not again
+    assert ran == [(2, 8)] and lines == [f"  calibration of tp1 pp2: ray/pp2 in {tmp_path}"]
+
+
+def test_chunk_sizes_past_uniform_s_knee_share_their_probes():
+    """uniform caps its chunks at the cost model's knee: C above it runs as the knee, so
+    two such candidates are one simulation and one cache entry."""
+    from pp_runtime.config import Config, load_model_config
+    from pp_runtime.plan.probe import ProbeCache, Slo, _knee, as_run
+    from pp_runtime.plan.space import cost_model
+
+    base = Config(model=load_model_config("gpt3-175b")).with_overrides(
+        **{"tp": 8, "pp": 4, "planner.planner": "uniform", "planner.max_batch_size": 16})
+    knee = _knee(cost_model(base), base.planner.tile_size)
+    key = lambda c: ProbeCache(None).key(base.with_overrides(chunk_size=c), Slo(5, 0.2))  # noqa: E731
+    assert key(2 * knee) == key(4 * knee) == key(knee) != key(knee // 2)
+    assert as_run(base.with_overrides(chunk_size=4 * knee)).planner.chunk_size == knee
+
+
+def test_uniform_runs_a_chunk_size_past_its_knee_as_the_knee():
+    """What `as_run` relies on: the same simulation, to the last bit."""
+    from dataclasses import replace
+
+    from pp_runtime.config import Config, load_model_config
+    from pp_runtime.core.workload import WorkloadConfig
+    from pp_runtime.engine.simulate import simulate
+    from pp_runtime.plan.probe import _knee
+    from pp_runtime.plan.space import cost_model
+    from pp_runtime.telemetry.report import build_report
+
+    base = replace(Config(model=load_model_config("gpt2-small")).with_overrides(
+        **{"pp": 2, "planner.planner": "uniform", "planner.max_batch_size": 8}),
+        workload=WorkloadConfig(kind="zipf", num_requests=40, qps=30.0, min_len=256,
+                                max_len=1024, pd_ratio=4))
+    knee = _knee(cost_model(base), base.planner.tile_size)
+    runs = [build_report(simulate(base.with_overrides(chunk_size=c), progress=False))["summary"]
+            for c in (knee, 3 * knee)]
+    for s in runs:
+        s.pop("run_wall_s"), s.pop("deployment")
+    assert runs[0] == runs[1]

@@ -54,6 +54,7 @@ class _Req:
 
 class _Rec:
     token_gaps_s: list = []
+    last_tokens = 100  # tokens of the micro-batch that just came back
 
 
 def test_watch_stops_only_once_the_miss_is_certain():
@@ -64,8 +65,17 @@ def test_watch_stops_only_once_the_miss_is_certain():
     reqs[0].first_token_s = 0.5
     w(_Rec(), reqs, 2.5)  # request 0 on time, request 1's deadline (2 s) passed without a token
     assert w.late == 1
-    with pytest.raises(ClearMiss, match="p99 TTFT"):
+    with pytest.raises(ClearMiss, match="p99 TTFT") as miss:
         w(_Rec(), reqs, 3.5)  # request 2 late too: 2 of 100 is past p99
+    # where to look next: the tokens of the second half (1.75 s on), 100 of them after
+    # 2.5 s, at 50 tokens a request: 2 requests in 1.75 s
+    assert miss.value.served_qps == 0.0  # no mean length given: unknown
+    w = Watch(Slo(ttft_s=1.0, tbt_s=0.1), num_requests=100, num_tokens=1000, mean_tokens=50.0)
+    w(_Rec(), reqs, 1.5)
+    w(_Rec(), reqs, 2.5)
+    with pytest.raises(ClearMiss) as miss:
+        w(_Rec(), reqs, 3.5)
+    assert miss.value.served_qps == pytest.approx(200 / 50 / 1.75)
 
 
 def _point(tp, pp, replicas, k, tbt, ttft) -> Result:
@@ -112,3 +122,24 @@ def test_a_hint_after_a_miss_changes_the_probes_not_the_answer(guess):
 
     assert grid_capacity(ok, 5, top=20, floor=-60, hint=lambda k: guess) == -7
     assert len(asked) <= 14, asked
+
+
+@pytest.mark.parametrize("pp,planner", [(2, "uniform"), (3, "sarathi")])
+def test_the_probe_recorder_reports_what_the_run_recorder_does(pp, planner):
+    """A probe records less than a run (plan/record.py); what it reports is the same."""
+    from dataclasses import replace
+
+    from pp_runtime.config import Config, load_model_config
+    from pp_runtime.core.workload import WorkloadConfig
+    from pp_runtime.engine.simulate import simulate
+    from pp_runtime.plan.record import ProbeRecorder, summary
+    from pp_runtime.telemetry.report import build_report
+
+    cfg = replace(Config(model=load_model_config("gpt2-small")).with_overrides(
+        **{"pp": pp, "planner.planner": planner, "planner.chunk_size": 256}),
+        workload=WorkloadConfig(kind="zipf", num_requests=60, qps=40.0, min_len=128,
+                                max_len=1024, pd_ratio=8))
+    full = build_report(simulate(cfg, progress=False))["summary"]
+    lean = summary(simulate(cfg, progress=False, recorder=ProbeRecorder))
+    assert lean == {k: full[k] for k in lean}
+    assert full["bubble_fraction"] > 0 and full["tbt_s"]["p99"] > 0

@@ -1,0 +1,66 @@
+"""What a probe of the plan records of its simulation, and the summary it reports.
+
+`ProbeRecorder` is the run recorder (telemetry/recorder.py) cut to what a probe reads: the
+bubble rule on every stage (`bubbles.StageAccumulator`, the same calls in the same order,
+so the same sums) and the times between tokens. It keeps no per-micro-batch rows, no
+per-request bubbles, no timeline windows and no admission snapshots: on a deep pipeline
+those took a quarter of a probe's time. `summary` is `telemetry.report.build_report`'s
+summary for the fields a probe reports, computed the same way (tests/plan/test_search.py
+checks them equal on a real simulation).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from pp_runtime.core.batch import MicroBatch, SampledTokens
+from pp_runtime.telemetry.bubbles import StageAccumulator, fractions_by_cause
+from pp_runtime.telemetry.recorder import RunRecorder
+from pp_runtime.telemetry.report import RunResult, percentiles
+
+
+@dataclass
+class ProbeRecorder(RunRecorder):
+    prefill_ran: int = 0  # prompt tokens that went through the pipeline
+    last_tokens: int = 0  # tokens of the micro-batch that came back last (`probe.Watch`)
+
+    def __call__(self, mb: MicroBatch, out: SampledTokens) -> None:
+        prefill = decodes = 0
+        for s in mb.seqs:
+            if s.is_decode:
+                decodes += 1
+            else:
+                prefill += s.num_tokens
+        self.prefill_ran += prefill
+        self.last_tokens = prefill + decodes
+        stages, idle = self.stages, mb.idle_before_s
+        for t in out.timings:  # bubbles.add_microbatch, without what it yields
+            if t.tp_rank != 0:
+                continue
+            acc = stages.get(t.stage)
+            if acc is None:
+                acc = stages[t.stage] = StageAccumulator(t.stage)
+            acc.add(t, idle)
+        self._tokens(out)
+
+
+def summary(run: RunResult) -> dict:
+    """build_report(run)["summary"]'s fields that a probe reports, from ProbeRecorders."""
+    stats = [rec.stages[s].stats() for rec in run.replicas for s in sorted(rec.stages)]
+    reqs = run.requests
+    done = [r for r in reqs if r.finish_s is not None]
+    makespan = max((r.finish_s for r in done), default=0.0)
+    tokens = sum(rec.prefill_ran for rec in run.replicas) + sum(len(r.token_ids) for r in reqs)
+    by_cause = fractions_by_cause(stats)
+    gaps = np.concatenate([np.frombuffer(rec.token_gaps_s, dtype=float) for rec in run.replicas]) \
+        if run.replicas else np.zeros(0)
+    return {
+        "num_requests": len(reqs), "makespan_s": makespan,
+        "throughput_tok_s": tokens / makespan if makespan > 0 else 0.0,
+        "bubble_fraction": sum(by_cause.values()), "bubble_fraction_by_cause": by_cause,
+        "ttft_s": percentiles([r.first_token_s - r.arrival_s for r in done
+                               if r.first_token_s is not None], ("median", "p99")),
+        "tbt_s": percentiles(gaps, ("median", "p99")),
+        "finish_reasons": dict(Counter(str(r.finish_reason) for r in reqs))}
