@@ -76,3 +76,19 @@ def test_an_error_in_stage_zero_reaches_wait(world_of_one):
     with pytest.raises(RuntimeError, match="stage 0 broke"):
         ex.wait(handle)
     ex.shutdown()
+
+
+def test_a_stage_that_hangs_fails_the_wait_after_the_timeout_and_shutdown_does_not_wait(
+        world_of_one):
+    """Past `timeout_s` (runtime.step_timeout_s) wait raises; the executor is then failed,
+    and shutdown neither waits for the hung stage nor tells the peers to stop."""
+    stage = GatedStage()  # the gate never opens: a hung stage 0
+    ex = TorchrunExecutor(stage, world_of_one, world_size=1, tp=1, timeout_s=0.3)
+    handle = ex.submit(_mb(0))
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="did not finish micro-batch 0 within 0.3 s"):
+        ex.wait(handle)
+    assert ex.failed
+    ex.shutdown()
+    assert time.perf_counter() - t0 < 5
+    stage.gate.set()  # let the thread go
