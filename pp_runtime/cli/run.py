@@ -222,7 +222,8 @@ def cmd_run(args) -> int:
     stopped = stopped_by(failed)
     with report_kept(out_dir):  # a signal now waits for the report, then exits 130 / 143
         report = write_report(RunResult(cfg, executor, outputs, [rec], elapsed, device=device,
-                                        interrupted_by=stopped), out_dir)
+                                        interrupted_by=stopped,
+                                        recoveries=llm.recoveries(since=t1)), out_dir)
     print(f"\n{n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s "
           f"({(n_in + n_out) / elapsed:.0f} tok/s); {'partial ' * bool(stopped)}reports and "
           f"plots in {out_dir}/")

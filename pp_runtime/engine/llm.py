@@ -113,6 +113,12 @@ class LLM:
                                   thread_init=torch_thread_init())
         return self._engine
 
+    def recoveries(self, since: float) -> list[dict]:
+        """Each recovery in place so far (`engine/recovery.Recovery`), `at_s` counted from
+        `since` (a perf_counter reading): what a report lists."""
+        engine = self._engine  # None when nothing ran
+        return [dict(r.as_dict(), at_s=r.at_s - since) for r in (engine.recoveries if engine else ())]
+
     def shutdown(self) -> None:
         """Stop the engine (open requests end `aborted`), then release the workers (Ray
         actors, process groups, KV caches)."""
@@ -215,9 +221,7 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
     else:
         stopped = None
     finally:
-        engine = llm._engine  # None when the run never started
-        recoveries = [dict(r.as_dict(), at_s=r.at_s - t0)
-                      for r in (engine.recoveries if engine else ())]
+        recoveries = llm.recoveries(since=t0)
         llm.shutdown()
     return RunResult(cfg, name, outputs, [rec], time.perf_counter() - t0, device=device,
                      interrupted_by=stopped, recoveries=recoveries)
