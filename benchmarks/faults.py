@@ -228,6 +228,25 @@ def memory(pid: int) -> tuple[float, int]:
     return rss / 2**20, actors
 
 
+def others_cpu_s(pid: int) -> float:
+    """CPU seconds the machine spent so far outside the server's tree and this process
+    (other users' work on shared cores): busy time minus ours, reaped children included."""
+    ct, ours = psutil.cpu_times(), 0.0
+    for q in [os.getpid(), *tree(pid)]:
+        try:
+            c = psutil.Process(q).cpu_times()
+            ours += c.user + c.system + c.children_user + c.children_system
+        except psutil.Error:
+            pass
+    return ct.user + ct.nice + ct.system + getattr(ct, "irq", 0) + getattr(ct, "softirq", 0) - ours
+
+
+def phase_share(pid: int):
+    """From now: a call returns the share of all cores other processes used meanwhile."""
+    t0, c0 = time.monotonic(), others_cpu_s(pid)
+    return lambda: (others_cpu_s(pid) - c0) / ((time.monotonic() - t0) * (os.cpu_count() or 1))
+
+
 class Health(threading.Thread):
     """GET /health every 0.2 s: (time, HTTP status (0: no answer), its "status")."""
 
@@ -275,6 +294,7 @@ class Fault:
     rss_mib: float | None = None
     actors: int | None = None
     hung_pid_alive: bool | None = None  # --hang: the stopped process still there after
+    load: float | None = None  # the machine's 1-min load average once back
 
 
 class Killer(threading.Thread):
@@ -323,6 +343,7 @@ class Killer(threading.Thread):
                 return  # no more faults for a server that did not come back
             self.stop.wait(2.0)  # the new actors settle
             f.rss_mib, f.actors = memory(self.server_pid)
+            f.load = os.getloadavg()[0]
             f.hung_pid_alive = alive(pid) if a.hang else None
 
 
@@ -398,17 +419,18 @@ def table(ref_reqs, reqs, rows, f: dict, args) -> list[str]:
            col("requests without a problem", f"{f['ref_ok']}/{len(ref_reqs)}", f"{f['ok']}/{len(reqs)}"),
            col("tokens streamed", sum(len(r.ids) for r in ref_reqs), sum(len(r.ids) for r in reqs)),
            col("prompts / answered two ways", f"{f['prompts']} / {f['twice']}", ""),
+           col("CPU of other processes (of all cores)", *(f"{x:.0%}" for x in args.others)),
            col("p50 TBT (faults: outside outages)", ms(f["p50_ref"]), ms(f["p50"])),
            col("p99 TBT (faults: outside outages)", ms(f["p99_ref"]), ms(f["p99"]))
            + (f"  {f['p99'] / f['p99_ref']:.2f}x; {f['dropped']} gaps in outages left out"
               if f["p99"] and f["p99_ref"] else ""),
            col(f"p99 TBT, also {args.settle_s:g} s after outages out", "", ms(f["p99_settled"])),
            f"{'#':>3}{'at':>7}{'stage':>6}{'pid':>8}{'silence from':>13}{'tokens back':>12}{'all back':>10}"
-           f"{'/health 200':>12}{'RSS MiB':>9}{'actors':>7}  /health meanwhile"]
+           f"{'/health 200':>12}{'RSS MiB':>9}{'actors':>7}{'load':>6}  /health meanwhile"]
     for r in rows:
         out.append(f"{r['n']:>3}{r['at_s']:>6.0f}s{r['stage']:>6}{str(r['pid']):>8}"
                    f"{sec(r['silence_from_s']):>13}{sec(r['tokens_back_s']):>12}{sec(r['all_back_s']):>10}"
-                   f"{sec(r['health_back_s']):>12}{r['rss_mib'] or 0:>9.0f}{str(r['actors']):>7}  "
+                   f"{sec(r['health_back_s']):>12}{r['rss_mib'] or 0:>9.0f}{str(r['actors']):>7}{r['load'] or 0:>6.1f}  "
                    f"{','.join(r['statuses']) or 'never 503'}"
                    + ("" if r["hung_pid_alive"] is None else f"; stopped pid alive after: {r['hung_pid_alive']}"))
     known = [r["back_s"] for r in rows if r["back_s"] is not None]
@@ -522,8 +544,10 @@ def main() -> int:
                        free_port(), log) as srv:
         print(f"server ready in {srv.ready_s:.1f} s at {srv.url}; fault-free phase: "
               f"{args.streams} streams, {args.minutes:g} min", flush=True)
+        share = phase_share(srv.proc.pid)
         ref_reqs = run_load(srv.url, args, args.minutes * 60, min_requests=args.prompts)
-        mem0 = memory(srv.proc.pid)[0]
+        args.others, mem0 = [share()], memory(srv.proc.pid)[0]
+        share = phase_share(srv.proc.pid)
         print(f"fault-free: {len(ref_reqs)} requests; faults phase", flush=True)
         health = Health(srv.url)
         killer = Killer(srv.proc.pid, args, health)
@@ -531,6 +555,7 @@ def main() -> int:
         try:
             reqs = run_load(srv.url, args, args.minutes * 60)
             killer.join(timeout=args.recovery_wait_s + 10)
+            args.others.append(share())
         finally:
             killer.stop.set(), health.stop.set()
             for f in killer.faults:  # a stopped actor the server left behind: not kept

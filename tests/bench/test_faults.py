@@ -96,13 +96,14 @@ def test_health_is_back_at_the_first_200_after_it_went_down():
 def fault_row(n, stage, back, rss):
     return {"n": n, "at_s": 30.0 * n, "stage": stage, "pid": 100 + n, "t": 30.0 * n,
             "health_back": 30.0 * n + back, "statuses": ["recovering"], "rss_mib": rss, "actors": 2,
-            "hung_pid_alive": None, "silence_from_s": 0.0, "tokens_back_s": back,
+            "hung_pid_alive": None, "load": 2.0, "silence_from_s": 0.0, "tokens_back_s": back,
             "health_back_s": back, "back_s": back, "all_back_s": back, "window": (30.0 * n, 30.0 * n + back)}
 
 
 def args(**kw):
     return SimpleNamespace(config="cpu/gpt2_pp2", streams=2, minutes=1.0, hang=False, kill_every=30.0,
-                           settle_s=10.0, back_slo=20.0, tbt_tolerance=0.2, mem_tolerance=0.1, pp=2, **kw)
+                           settle_s=10.0, back_slo=20.0, tbt_tolerance=0.2, mem_tolerance=0.1, pp=2,
+                           others=[0.1, 0.2], **kw)
 
 
 def test_the_checks_pass_a_clean_run_and_name_what_failed():
