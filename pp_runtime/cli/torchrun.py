@@ -132,7 +132,7 @@ def open_journal(cfg: Config, checkpoint: str | None, out: Path):
     from pp_runtime.engine.llm import workload_requests
 
     run, path = journal.run_id(cfg.to_dict(), checkpoint), out / journal.NAME
-    found, generated = journal.read(path, run), {}
+    found, generated, resumes = journal.read(path, run), {}, []
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if found is not None and found.done:
         note = f"{path} is of this run, finished: starting afresh"
@@ -141,12 +141,15 @@ def open_journal(cfg: Config, checkpoint: str | None, out: Path):
         generated = journal.resume_tokens(found.tokens, [p.max_tokens for p in params])
         note = (f"resuming from {path} (attempt {attempt}): {found.num_tokens} tokens of "
                 f"{len(found.tokens)} requests ({found.dropped} cut-short lines dropped)")
+        resumes = found.resumes + [{"attempt": attempt, "tokens": found.num_tokens,
+                                    "requests": len(found.tokens),
+                                    "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
     else:
         note = None
     if note:  # always said: a resumed run's report starts from these tokens
         print(f"rank 0: {note}", file=sys.stderr, flush=True)
     what = f"{cfg.model.name}, workload seed {cfg.workload.seed}, checkpoint {checkpoint}"
-    return journal.Journal(path, run, generated, what=what), generated
+    return journal.Journal(path, run, generated, what=what, resumes=resumes), generated
 
 
 def drive(cfg: Config, checkpoint: str | None, executor, out: Path, quiet: bool,

@@ -4,13 +4,16 @@ Under torchrun the elastic agent restarts the whole worker group when any worker
 rank 0 (planner and driver) included; the journal is what survives (docs/recovery.md).
 `OUT/journal.jsonl`, one JSON object a line:
 
-    {"journal": 1, "run": "<sha256>", "what": "...", "base": {"3": [17, 4], ...}}
+    {"journal": 1, "run": "<sha256>", "what": "...", "base": {"3": [17, 4], ...},
+     "resumes": [{"attempt": "1", "at": "2026-11-26T06:56:14Z", "tokens": 6, "requests": 4}]}
     {"mb": 12, "t": {"3": 517, "7": 20}}        one line per finished micro-batch
     {"done": true}                                the report was written
 
 The header names the run (`run_id`: a hash of the config, which holds the workload seed,
 and the checkpoint path); a journal of another run is refused (`JournalMismatch`), never
-replayed. `base` holds the tokens the attempt that wrote the header started from; each
+replayed. `resumes` lists every attempt that resumed (when, from how many tokens of how
+many requests), carried from header to header. `base` holds the tokens the attempt that
+wrote the header started from; each
 micro-batch line adds, per request index (its position in the workload), the token it
 sampled, in the order sampled. Each line is written whole and flushed: a process that is
 killed loses nothing already written; a machine that crashes can lose the lines since the
@@ -52,6 +55,7 @@ class Replay:
     """What a journal holds: tokens by request index, and whether its run finished."""
 
     tokens: dict[int, list[int]] = field(default_factory=dict)
+    resumes: list[dict] = field(default_factory=list)  # the header's, earlier attempts
     done: bool = False
     lines: int = 0  # micro-batch lines read
     dropped: int = 0  # lines from the first one that did not parse on (not replayed)
@@ -88,7 +92,8 @@ def read(path: str | os.PathLike, run: str) -> Replay | None:
                               "config, workload seed or checkpoint differ): remove it or "
                               "give another --out")
     out = Replay({i: [int(t) for t in ts] for i, ts in _int_keys(head.get("base", {}),
-                                                                    "base").items()})
+                                                                    "base").items()},
+                 list(head.get("resumes", [])))
     body = lines[1:]
     while body and not body[-1].strip():  # the newline after the last line
         body.pop()
@@ -132,11 +137,12 @@ class Journal:
     per finished micro-batch. `on_microbatch(mb, out)` is the driver's callback."""
 
     def __init__(self, path: str | os.PathLike, run: str, base: Mapping[int, Sequence[int]],
-                 what: str = "") -> None:
+                 what: str = "", resumes: Sequence[dict] = ()) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         head = {"journal": VERSION, "run": run, "what": what,
-                "base": {str(i): list(ts) for i, ts in sorted(base.items())}}
+                "base": {str(i): list(ts) for i, ts in sorted(base.items())},
+                "resumes": list(resumes)}
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w") as f:  # whole or absent: a new attempt never mixes with the old
             f.write(json.dumps(head, separators=(",", ":")) + "\n")

@@ -89,10 +89,11 @@ def test_a_new_attempt_starts_from_its_base_and_never_repeats_a_token(tmp_path):
     j.close()
     base = resume_tokens(read(path, RUN).tokens, [3, 5])
     assert base == {0: [10, 11], 1: [20, 21, 22]}
-    j = Journal(path, RUN, base)  # attempt 1
+    j = Journal(path, RUN, base, resumes=[{"attempt": "1", "tokens": 6}])  # attempt 1
     j.record(0, {0: 12, 1: 23})
     j.record(1, {1: 24})
     j.done()
     got = read(path, RUN)
     assert got.tokens == {0: [10, 11, 12], 1: [20, 21, 22, 23, 24]} and got.done
+    assert got.resumes == [{"attempt": "1", "tokens": 6}]
     assert not (tmp_path / (journal.NAME + ".tmp")).exists()

@@ -76,6 +76,7 @@ def check_healed(r, out, reference):
     assert got == reference
     head = json.loads((out / journal.NAME).read_text().splitlines()[0])
     assert head["base"], "the second attempt started from nothing"
+    assert [(h["attempt"], h["tokens"] > 0) for h in head["resumes"]] == [("1", True)]
     replay = journal_tokens(out)
     assert replay.done and replay.tokens == {i: o["token_ids"] for i, o in enumerate(got)}
 
