@@ -13,9 +13,8 @@ The header names the run (`run_id`: a hash of the config, which holds the worklo
 and the checkpoint path); a journal of another run is refused (`JournalMismatch`), never
 replayed. `resumes` lists every attempt that resumed (when, from how many tokens of how
 many requests), carried from header to header. `base` holds the tokens the attempt that
-wrote the header started from; each
-micro-batch line adds, per request index (its position in the workload), the token it
-sampled, in the order sampled. Each line is written whole and flushed: a process that is
+wrote the header started from; each micro-batch line adds, per request index (its
+position in the workload), the token it sampled, in the order sampled. Each line is written whole and flushed: a process that is
 killed loses nothing already written; a machine that crashes can lose the lines since the
 last fsync (the header and the done line are synced, the others not), and a line cut
 short. Reading stops at the first line that does not parse; what it held is computed
