@@ -37,7 +37,8 @@ from pp_runtime.plan.probe import ProbeCache, Prober, Slo, grid_index, rate
 from pp_runtime.plan.space import Candidate, Layout, cost_model
 
 REL_TOL = 0.05  # the grid's step (probe.STEP - 1)
-START = 0.8  # a search starts at this share of the bound (capacities came at 0.5-0.98 of it)
+START = 0.95  # a search starts at this share of the bound (capacities came at 0.5-1 of it: a
+#               miss above is quick and hints where to look, a pass below is a whole run)
 FIRST_JUMP = 2  # grid steps of the first bracketing move (x 1.10), doubled after each
 FLOOR = 1e-4  # no capacity searched below this share of the bound
 WEAK = 0.4  # fast path: a layout's first candidate below this share of its bound is weak
