@@ -228,23 +228,29 @@ def memory(pid: int) -> tuple[float, int]:
     return rss / 2**20, actors
 
 
-def others_cpu_s(pid: int) -> float:
-    """CPU seconds the machine spent so far outside the server's tree and this process
-    (other users' work on shared cores): busy time minus ours, reaped children included."""
-    ct, ours = psutil.cpu_times(), 0.0
-    for q in [os.getpid(), *tree(pid)]:
+def cpu_of_others(pid: int) -> dict[int, float]:
+    """CPU seconds of every process outside the server's tree and this one (other users'
+    work on the shared cores), by pid."""
+    ours, out = {os.getpid(), *tree(pid)}, {}
+    for proc in psutil.process_iter():
         try:
-            c = psutil.Process(q).cpu_times()
-            ours += c.user + c.system + c.children_user + c.children_system
+            if proc.pid not in ours:
+                c = proc.cpu_times()
+                out[proc.pid] = c.user + c.system
         except psutil.Error:
             pass
-    return ct.user + ct.nice + ct.system + getattr(ct, "irq", 0) + getattr(ct, "softirq", 0) - ours
+    return out
 
 
 def phase_share(pid: int):
-    """From now: a call returns the share of all cores other processes used meanwhile."""
-    t0, c0 = time.monotonic(), others_cpu_s(pid)
-    return lambda: (others_cpu_s(pid) - c0) / ((time.monotonic() - t0) * (os.cpu_count() or 1))
+    """From now: a call returns the share of all cores that other processes used meanwhile
+    (those alive at the call; one that ended in between is not counted)."""
+    t0, c0 = time.monotonic(), cpu_of_others(pid)
+
+    def share() -> float:
+        used = sum(c - c0.get(q, 0.0) for q, c in cpu_of_others(pid).items())
+        return used / ((time.monotonic() - t0) * (os.cpu_count() or 1))
+    return share
 
 
 class Health(threading.Thread):
