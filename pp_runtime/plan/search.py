@@ -23,9 +23,7 @@ and frontier.
 """
 from __future__ import annotations
 
-import multiprocessing
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -231,6 +229,8 @@ def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: 
     """Every candidate's Result (module docstring), the probes simulated and asked for."""
     groups = ordered(items, wl, slo)
     results = [r for g in groups for r, _ in g]
+    from pp_runtime.plan.runner import Runner
+
     bar = tqdm(total=len(results), unit="deployment", desc="plan", disable=not progress, leave=False)
     run = Runner(jobs, budget_s, slo, stop_early, cache_dir, bar)
     try:
@@ -245,24 +245,19 @@ def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: 
     return results, (run.simulated, run.asked)
 
 
-def fast_phases(run: "Runner", groups: list[list[tuple[Result, Config]]]) -> None:
+def fast_phases(run, groups: list[list[tuple[Result, Config]]]) -> None:
     """The fast path: (1) every layout's first candidate to its capacity; (2) every other
     one against its layout's best, one probe at most; (3) those that passed, searched on
     one after the other within their layout, each against the best so far (their probe
-    of (2) comes back from the cache): the same answer as searching each layout in order,
-    with the processes busy in (1) and (2). A layout whose first candidate came out below
-    WEAK x its bound (or met nothing) skips (2): its others one after the other from
-    their own start (`search_candidate`'s high), begun beside (2)."""
-    run([g[0] + (None,) for g in sorted(groups, key=lambda g: -g[0][1].parallel.pp)])
-    weak = [g for g in groups if _weak(g[0][0])]
-    strong = [g for g in groups if not _weak(g[0][0])]
-    started = run.start_layouts([(g[0][0].k, g[1:]) for g in weak if g[1:]], high=True)
-    run([(res, cfg, g[0][0].k) for g in strong for res, cfg in g[1:]], climb=False)
-    passed = [[(res, cfg) for res, cfg in g[1:] if res.outcome == PASSED] for g in strong]
-    run.collect(run.start_layouts([(g[0][0].k, p) for g, p in zip(strong, passed) if p]) + started)
+    of (2) comes back from the cache): the same answer as searching each layout in order.
+    A layout whose first candidate came out below WEAK x its bound (or met nothing) skips
+    (2): its others one after the other from their own start (`search_candidate`'s
+    high). Each layout's next phase starts as soon as its last one ended
+    (`runner.Runner.fast`), so the processes never wait for another layout."""
+    run.fast(groups)
 
 
-def _weak(first: Result) -> bool:
+def is_weak(first: Result) -> bool:
     return first.k is None or rate(first.k) < WEAK * first.bound_qps / first.candidate.layout.gpus
 
 
@@ -299,52 +294,3 @@ def ordered(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo
             res.order = i
         groups.append([(res, cfg) for _, res, cfg in group])
     return groups
-
-
-class Runner:
-    """Runs batches of candidate searches in `jobs` processes; no new one after the budget."""
-
-    def __init__(self, jobs: int, budget_s: float, slo: Slo, stop_early: bool,
-                 cache_dir: str | None, bar: tqdm):
-        ctx = multiprocessing.get_context("spawn")  # no fork of a threaded parent
-        self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
-        self.jobs, self.deadline = jobs, time.monotonic() + budget_s
-        self.args, self.bar, self.simulated, self.asked = (slo, stop_early, cache_dir), bar, 0, 0
-
-    def __call__(self, tasks: list[tuple[Result, Config, int | None]], climb: bool = True) -> None:
-        pending, running = list(tasks), {}
-        while pending or running:
-            while pending and len(running) < 2 * self.jobs:  # a few queued: no idle worker
-                res, cfg, best = pending.pop(0)
-                if time.monotonic() > self.deadline:
-                    res.outcome = "budget"
-                    self.bar.update(1)
-                    continue
-                running[self.pool.submit(search_candidate, res, cfg, *self.args, best, climb)] = res
-            if not running:
-                continue
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for fut in done:
-                slot = running.pop(fut)
-                got, (n, m) = fut.result()
-                slot.__dict__.update(got.__dict__)
-                self.simulated, self.asked = self.simulated + n, self.asked + m
-                self.bar.update(climb or got.outcome != PASSED)
-
-    def start_layouts(self, tasks: list[tuple[int | None, list[tuple[Result, Config]]]],
-                      high: bool = False) -> list:
-        """Each task's candidates in order in one process (`search_in_order`), submitted
-        now; `collect` waits for them."""
-        return [(self.pool.submit(search_in_order, best, list(items), *self.args, high), items)
-                for best, items in tasks]
-
-    def collect(self, started: list) -> None:
-        for fut, items in started:
-            got, (n, m) = fut.result()
-            for (slot, _), new in zip(items, got):
-                slot.__dict__.update(new.__dict__)
-                self.bar.update(1)
-            self.simulated, self.asked = self.simulated + n, self.asked + m
-
-    def close(self) -> None:
-        self.pool.shutdown(cancel_futures=True)

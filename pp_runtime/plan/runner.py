@@ -1,0 +1,125 @@
+"""The search's worker processes: candidate searches (`search.search_candidate`) and
+layouts searched in order (`search.search_in_order`) run in `jobs` spawned processes, and
+no new one starts after the budget (what it leaves is marked `budget`).
+
+The exhaustive path is one batch (`Runner.__call__`). The fast path (`Runner.fast`) is a
+small state machine per layout: its first candidate; then either its others against that
+best, one task each, and once all are back the ones that passed, in order, as one task;
+or, for a weak layout, its others in order as one task. A layout's next step is queued
+as soon as its last one came back, never waiting for another layout (a barrier between
+phases left a process idle behind the slowest task of each phase); waiting work goes
+out in the order: first candidates (deep pipelines first), whole layouts, single probes.
+Which process runs what changes the time, not the answer: each layout's steps are the
+same.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import multiprocessing
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from typing import Callable
+
+from tqdm import tqdm
+
+from pp_runtime.config import Config
+from pp_runtime.plan.probe import Slo
+from pp_runtime.plan.search import PASSED, Result, is_weak, search_candidate, search_in_order
+
+FIRST, LAYOUT, SINGLE = 0, 1, 2  # the order waiting work goes out in
+
+
+class Runner:
+    """Runs candidate searches in `jobs` processes; no new one after the budget."""
+
+    def __init__(self, jobs: int, budget_s: float, slo: Slo, stop_early: bool,
+                 cache_dir: str | None, bar: tqdm):
+        ctx = multiprocessing.get_context("spawn")  # no fork of a threaded parent
+        self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+        self.jobs, self.deadline = jobs, time.monotonic() + budget_s
+        self.args, self.bar, self.simulated, self.asked = (slo, stop_early, cache_dir), bar, 0, 0
+        self.queue: list = []
+        self.order = itertools.count()
+
+    def __call__(self, tasks: list[tuple[Result, Config, int | None]], climb: bool = True) -> None:
+        """Each (result, config, best) searched (`search_candidate`), as a batch."""
+        for res, cfg, best in tasks:
+            self._push(SINGLE, search_candidate, (res, cfg, *self.args, best, climb),
+                       lambda got, res=res: self._one(res, got))
+        self._drain()
+
+    def fast(self, groups: list[list[tuple[Result, Config]]]) -> None:
+        """The fast path's steps for every layout (module docstring; `search.fast_phases`)."""
+        for g in sorted(groups, key=lambda g: -g[0][1].parallel.pp):
+            res, cfg = g[0]
+            self._push(FIRST, search_candidate, (res, cfg, *self.args, None, True),
+                       lambda got, g=g: self._first(g, got))
+        self._drain()
+
+    def _first(self, g: list[tuple[Result, Config]], got) -> None:
+        first, rest = g[0][0], g[1:]
+        self._one(first, got)
+        if not rest:
+            return
+        if is_weak(first):
+            self._push(LAYOUT, search_in_order, (first.k, list(rest), *self.args, True),
+                       lambda out: self._many(rest, out))
+            return
+        left = [len(rest)]
+        for res, cfg in rest:
+            self._push(SINGLE, search_candidate, (res, cfg, *self.args, first.k, False),
+                       lambda out, res=res: self._second(first, rest, res, out, left))
+
+    def _second(self, first: Result, rest, res: Result, got, left: list[int]) -> None:
+        self._one(res, got, count=got[0].outcome != PASSED)
+        left[0] -= 1
+        passed = [(r, c) for r, c in rest if r.outcome == PASSED]
+        if left[0] == 0 and passed:
+            self._push(LAYOUT, search_in_order, (first.k, list(passed), *self.args, False),
+                       lambda out: self._many(passed, out))
+
+    def _one(self, slot: Result, got, count: bool = True) -> None:
+        new, (n, m) = got
+        slot.__dict__.update(new.__dict__)
+        self.simulated, self.asked = self.simulated + n, self.asked + m
+        self.bar.update(int(count))
+
+    def _many(self, items: list[tuple[Result, Config]], got) -> None:
+        new, (n, m) = got
+        for (slot, _), r in zip(items, new):
+            slot.__dict__.update(r.__dict__)
+        self.simulated, self.asked = self.simulated + n, self.asked + m
+        self.bar.update(len(items))
+
+    def _push(self, kind: int, fn: Callable, args: tuple, done: Callable) -> None:
+        heapq.heappush(self.queue, (kind, next(self.order), fn, args, done))
+
+    def _drain(self) -> None:
+        """Run the queue, and what each finished task queues, until both are empty; one
+        task waits in the pool beside the running ones (no process idles between)."""
+        running: dict = {}
+        while self.queue or running:
+            while self.queue and len(running) <= self.jobs:
+                _, _, fn, args, done = heapq.heappop(self.queue)
+                if time.monotonic() > self.deadline:
+                    done(_expired(fn, args))
+                    continue
+                running[self.pool.submit(fn, *args)] = done
+            if running:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    running.pop(fut)(fut.result())
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+
+def _expired(fn: Callable, args: tuple):
+    """What a task not started before the budget returns: its candidates left, 'budget'."""
+    if fn is search_candidate:
+        args[0].outcome = "budget"
+        return args[0], (0, 0)
+    for res, _ in args[1]:
+        res.outcome = "budget"
+    return [res for res, _ in args[1]], (0, 0)
