@@ -143,3 +143,28 @@ def test_the_probe_recorder_reports_what_the_run_recorder_does(pp, planner):
     lean = summary(simulate(cfg, progress=False, recorder=ProbeRecorder))
     assert lean == {k: full[k] for k in lean}
     assert full["bubble_fraction"] > 0 and full["tbt_s"]["p99"] > 0
+
+
+def test_work_the_budget_leaves_is_marked_and_counted():
+    """No search starts after the budget: every candidate of the fast path's steps is
+    left as 'budget', each counted once on the progress bar."""
+    from pp_runtime.config import Config, load_model_config
+    from pp_runtime.plan.runner import Runner
+
+    cfg = Config(model=load_model_config("gpt2-small"))
+    groups = [[(Result(Candidate(Layout(1, pp, 2 // pp), "uniform", c, 4, pp, "even"), 1.0), cfg)
+               for c in (128, 256, 512)] for pp in (1, 2)]
+
+    class Bar:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+
+    bar = Bar()
+    run = Runner(1, -1.0, Slo(1.0, 1.0), True, None, bar)
+    try:
+        run.fast(groups)
+    finally:
+        run.close()
+    assert all(r.outcome == "budget" for g in groups for r, _ in g) and bar.n == 6
