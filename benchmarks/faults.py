@@ -301,6 +301,7 @@ class Fault:
     actors: int | None = None
     hung_pid_alive: bool | None = None  # --hang: the stopped process still there after
     load: float | None = None  # the machine's 1-min load average once back
+    others: float | None = None  # share of all cores other processes took until back
 
 
 class Killer(threading.Thread):
@@ -338,13 +339,14 @@ class Killer(threading.Thread):
             self.faults.append(f := Fault(n, time.monotonic() - t0, (n - 1) % a.pp, pid))
             if pid is None:
                 continue
+            share = phase_share(self.server_pid)
             os.kill(pid, signal.SIGSTOP if a.hang else signal.SIGKILL)
             f.t = time.monotonic()
             f.at_s = f.t - t0
             while (back := self.health.back(f.t))[0] is None and time.monotonic() < f.t + a.recovery_wait_s:
                 if self.stop.wait(0.2):
                     return
-            f.health_back, f.statuses = back
+            f.health_back, f.statuses, f.others = *back, share()
             if f.health_back is None:
                 return  # no more faults for a server that did not come back
             self.stop.wait(2.0)  # the new actors settle
@@ -432,11 +434,11 @@ def table(ref_reqs, reqs, rows, f: dict, args) -> list[str]:
               if f["p99"] and f["p99_ref"] else ""),
            col(f"p99 TBT, also {args.settle_s:g} s after outages out", "", ms(f["p99_settled"])),
            f"{'#':>3}{'at':>7}{'stage':>6}{'pid':>8}{'silence from':>13}{'tokens back':>12}{'all back':>10}"
-           f"{'/health 200':>12}{'RSS MiB':>9}{'actors':>7}{'load':>6}  /health meanwhile"]
+           f"{'/health 200':>12}{'RSS MiB':>9}{'actors':>7}{'load':>6}{'others':>7}  /health meanwhile"]
     for r in rows:
         out.append(f"{r['n']:>3}{r['at_s']:>6.0f}s{r['stage']:>6}{str(r['pid']):>8}"
                    f"{sec(r['silence_from_s']):>13}{sec(r['tokens_back_s']):>12}{sec(r['all_back_s']):>10}"
-                   f"{sec(r['health_back_s']):>12}{r['rss_mib'] or 0:>9.0f}{str(r['actors']):>7}{r['load'] or 0:>6.1f}  "
+                   f"{sec(r['health_back_s']):>12}{r['rss_mib'] or 0:>9.0f}{str(r['actors']):>7}{r['load'] or 0:>6.1f}{r['others'] or 0:>7.0%}  "
                    f"{','.join(r['statuses']) or 'never 503'}"
                    + ("" if r["hung_pid_alive"] is None else f"; stopped pid alive after: {r['hung_pid_alive']}"))
     known = [r["back_s"] for r in rows if r["back_s"] is not None]

@@ -96,7 +96,7 @@ def test_health_is_back_at_the_first_200_after_it_went_down():
 def fault_row(n, stage, back, rss):
     return {"n": n, "at_s": 30.0 * n, "stage": stage, "pid": 100 + n, "t": 30.0 * n,
             "health_back": 30.0 * n + back, "statuses": ["recovering"], "rss_mib": rss, "actors": 2,
-            "hung_pid_alive": None, "load": 2.0, "silence_from_s": 0.0, "tokens_back_s": back,
+            "hung_pid_alive": None, "load": 2.0, "others": 0.1, "silence_from_s": 0.0, "tokens_back_s": back,
             "health_back_s": back, "back_s": back, "all_back_s": back, "window": (30.0 * n, 30.0 * n + back)}
 
 
