@@ -302,6 +302,7 @@ class Fault:
     hung_pid_alive: bool | None = None  # --hang: the stopped process still there after
     load: float | None = None  # the machine's 1-min load average once back
     others: float | None = None  # share of all cores other processes took until back
+    timeline: list = field(default_factory=list)  # (s after the fault, pid, new title)
 
 
 class Killer(threading.Thread):
@@ -329,6 +330,14 @@ class Killer(threading.Thread):
         return next((q for q, s in self.stages.items() if s == stage and alive(q)
                      and q not in {f.pid for f in self.faults}), None)
 
+    def watch(self, f: Fault, titles: dict[int, str]) -> None:
+        """Note each Ray process's title change while the server recovers: which call the
+        new actors run when (`ray::stage0-tp0.start`, ...), to see where the time goes."""
+        for q in tree(self.server_pid)[1:]:
+            if re.match(r"ray::(StageActor|stage|IDLE)", name := title(q)) and titles.get(q) != name:
+                titles[q] = name
+                f.timeline.append((round(time.monotonic() - f.t, 2), q, name.split()[0][:40]))
+
     def run(self) -> None:
         a, t0 = self.args, time.monotonic()
         for n in itertools.count(1):
@@ -343,8 +352,10 @@ class Killer(threading.Thread):
             os.kill(pid, signal.SIGSTOP if a.hang else signal.SIGKILL)
             f.t = time.monotonic()
             f.at_s = f.t - t0
+            titles: dict[int, str] = {}
             while (back := self.health.back(f.t))[0] is None and time.monotonic() < f.t + a.recovery_wait_s:
-                if self.stop.wait(0.2):
+                self.watch(f, titles)
+                if self.stop.wait(0.05):
                     return
             f.health_back, f.statuses, f.others = *back, share()
             if f.health_back is None:
@@ -441,6 +452,10 @@ def table(ref_reqs, reqs, rows, f: dict, args) -> list[str]:
                    f"{sec(r['health_back_s']):>12}{r['rss_mib'] or 0:>9.0f}{str(r['actors']):>7}{r['load'] or 0:>6.1f}{r['others'] or 0:>7.0%}  "
                    f"{','.join(r['statuses']) or 'never 503'}"
                    + ("" if r["hung_pid_alive"] is None else f"; stopped pid alive after: {r['hung_pid_alive']}"))
+    slow = max(rows, key=lambda r: r["back_s"] or 1e9, default=None)
+    if slow and slow["timeline"]:
+        out.append(f"fault {slow['n']}, the slowest: Ray process titles as they changed (s after the fault):")
+        out += [f"  {t:6.2f} s  {q}  {name}" for t, q, name in slow["timeline"][:24]]
     known = [r["back_s"] for r in rows if r["back_s"] is not None]
     out.append(f"service back (the later of tokens and /health): max {sec(max(known, default=None))}, "
                f"mean {sec(sum(known) / len(known) if known else None)}")

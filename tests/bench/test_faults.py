@@ -96,7 +96,7 @@ def test_health_is_back_at_the_first_200_after_it_went_down():
 def fault_row(n, stage, back, rss):
     return {"n": n, "at_s": 30.0 * n, "stage": stage, "pid": 100 + n, "t": 30.0 * n,
             "health_back": 30.0 * n + back, "statuses": ["recovering"], "rss_mib": rss, "actors": 2,
-            "hung_pid_alive": None, "load": 2.0, "others": 0.1, "silence_from_s": 0.0, "tokens_back_s": back,
+            "hung_pid_alive": None, "load": 2.0, "others": 0.1, "timeline": [], "silence_from_s": 0.0, "tokens_back_s": back,
             "health_back_s": back, "back_s": back, "all_back_s": back, "window": (30.0 * n, 30.0 * n + back)}
 
 
@@ -135,3 +135,16 @@ def test_the_outage_lasts_until_every_stream_it_cut_has_its_next_token():
     assert (row["silence_from_s"], row["tokens_back_s"], row["all_back_s"]) == (-1.0, 4.0, 7.0)
     assert row["back_s"] == 4.0 and row["health_back_s"] == 3.0
     assert row["window"] == (1.0, 9.0)
+
+
+def test_the_killer_notes_each_ray_title_change_during_a_recovery(monkeypatch):
+    names = {11: "ray::StageActor", 12: "python -m something"}
+    monkeypatch.setattr(faults, "tree", lambda pid: [pid, 11, 12])
+    monkeypatch.setattr(faults, "title", lambda pid: names[pid])
+    killer = faults.Killer(1, args(), faults.Health("http://127.0.0.1:1"))
+    f, titles = faults.Fault(1, 30.0, 0, 10, t=0.0), {}
+    killer.watch(f, titles)
+    killer.watch(f, titles)  # nothing changed: nothing noted
+    names[11] = "ray::stage0-tp0.start"
+    killer.watch(f, titles)
+    assert [(q, name) for _, q, name in f.timeline] == [(11, "ray::StageActor"), (11, "ray::stage0-tp0.start")]
