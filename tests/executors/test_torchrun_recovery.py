@@ -106,3 +106,18 @@ def test_a_journal_of_another_run_is_refused_not_replayed(tmp_path):
            "(another run;" in r.stderr, r.stderr[-3000:]
     assert (tmp_path / journal.NAME).read_bytes() == before
     assert not (tmp_path / "outputs.jsonl").exists()
+
+
+def test_after_the_agent_gives_up_the_same_command_resumes(tmp_path, reference):
+    """No restart left (`--max-restarts 0`): the job fails and leaves its journal; running
+    the same command again resumes from it and ends with the fault-free outputs."""
+    r = agent(tmp_path, "rank=1,after_mb=8,mode=kill", restarts=0)
+    assert r.returncode != 0
+    if (tmp_path / "outputs.jsonl").exists():  # rank 0 saw the gloo error before its SIGTERM
+        assert "error" in {o["finish_reason"] for o in outputs(tmp_path)}
+    assert not journal_tokens(tmp_path).done
+    r = agent(tmp_path, None, restarts=0)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rank 0: resuming from" in r.stderr and "(attempt 0)" in r.stderr
+    assert outputs(tmp_path) == reference()
+    assert journal_tokens(tmp_path).done
