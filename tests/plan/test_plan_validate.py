@@ -18,9 +18,13 @@ def test_validate_serves_the_choice_and_the_reference_for_real(tmp_path):
         "plan", "--model", "tiny-gpt", "--gpus", "2", "--gpu", "cpu", "--profile", str(tmp_path / "profile"),
         "--memory-gb", "0.05", "--workload", "zipf:min_len=32,max_len=128", "--requests", "20",
         "--chunk-sizes", "64", "--ttft-slo", "0.5", "--tbt-slo", "0.5", "--quiet",
-        "--validate", "1", "--validate-requests", "8", "--out", str(tmp_path / "plan")],
+        "--validate", "1", "--validate-requests", "8", "--calibrate", "2",
+        "--out", str(tmp_path / "plan")],
         capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the profile had no calibration: each layout's measured first, said in one line
+    assert "calibration of tp1 pp" in done.stdout and "measuring it now" in done.stdout
+    assert (tmp_path / "profile" / "calibration.json").is_file()
     table = done.stdout.split("pred/meas")[1].strip().splitlines()
     assert table[0].startswith("#1 tp1 ") and table[1].startswith("reference cpu/gpt2_pp2"), done.stdout
     for row in table[:2]:
