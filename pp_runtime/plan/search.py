@@ -1,4 +1,4 @@
-"""The search: every layout's capacity on the simulator, in parallel processes.
+"""The search: every layout's capacity on the simulator, in parallel processes (runner.py).
 
 Capacity is a grid point (`probe.rate(k)`, req/s per GPU, 5 % apart): the highest rate
 whose probe meets both p99 SLOs, found by bracketing from START x the candidate's bound
@@ -14,7 +14,9 @@ in that order on a tie, so the answer does not depend on which process finishes 
   fast        first every layout's first candidate, searched to its capacity k; then each
               other one is out without a probe where its bound is below rate(k + 1)
               ("bound"), else probed once at k + 1 and out when it misses there ("lost at
-              the layout's best"), else searched on from there.
+              the layout's best"), else searched on from there; a weak layout (its first
+              below WEAK x its bound) has its others searched in order from their own
+              start instead (`fast_phases`; the processes: `runner.py`).
 On both, a probe that cannot meet the SLOs any more stops early (`probe.Watch`; exact, off
 with stop_early False), and every answer is cached (`probe.ProbeCache`): a second
 identical search simulates nothing.
