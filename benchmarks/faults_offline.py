@@ -26,11 +26,11 @@ from pathlib import Path
 
 import psutil
 
-STAGE = re.compile(r"ray::(?:stage(\d+)-tp0\.|StageActor)")
+STAGE = re.compile(r"ray::stage(\d+)-tp0\.execute")
 
 
 def stage_pids(root: int) -> dict[int, int]:
-    """Stage -> pid of its TP rank 0 actor, from the busy actors' titles (`ray::stage1-tp0.execute`)."""
+    """Stage -> pid of its TP rank 0 actor while it runs a micro-batch (`ray::stage1-tp0.execute`)."""
     found = {}
     try:
         procs = psutil.Process(root).children(recursive=True)
@@ -41,7 +41,7 @@ def stage_pids(root: int) -> dict[int, int]:
             m = STAGE.match(" ".join(p.cmdline()))
         except psutil.Error:
             continue
-        if m and m.group(1) is not None:
+        if m:
             found[int(m.group(1))] = p.pid
     return found
 
@@ -53,6 +53,8 @@ def run(out: Path, args, faults: int) -> tuple[int, list[str]]:
            "--quiet", "--out", str(out)]
     if args.hang:
         cmd += ["--set", "runtime.step_timeout_s=5"]
+    if args.attempts is not None:
+        cmd += ["--set", f"runtime.recovery_attempts={args.attempts}"]
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     done, log = [], []
@@ -69,6 +71,9 @@ def run(out: Path, args, faults: int) -> tuple[int, list[str]]:
     for line in proc.stdout:
         log.append(line)
     code = proc.wait()
+    for line in log:
+        if "recovered in" in line:
+            print("  log:", line.split("WARNING")[-1].strip()[:200])
     if code:
         print("".join(log[-40:]), file=sys.stderr)
     return code, done
@@ -83,6 +88,7 @@ def main() -> int:
     ap.add_argument("--faults", type=int, default=2)
     ap.add_argument("--every", type=float, default=10.0)
     ap.add_argument("--hang", action="store_true")
+    ap.add_argument("--attempts", type=int, help="runtime.recovery_attempts (default: the config's)")
     ap.add_argument("--out", default="runs/faults-offline")
     args = ap.parse_args()
     base = Path(args.out)

@@ -66,6 +66,7 @@ class Engine:
                                                  lambda: self._planner.num_waiting(),
                                                  sink if sink is not None else NullSink(),
                                                  keep_ended=True)
+        self._workers = executor  # unwrapped: what a recovery's log asks
         self._executor = _Stamped(self.metrics.watch(executor), self._intake.open, clock)
         rt = cfg.runtime  # recovery in place (engine/recovery.py): executors that can
         self._recoverable = rt.recovery_attempts > 0 and callable(getattr(executor, "recover", None))
@@ -236,8 +237,10 @@ class Engine:
                      len(requests), tokens)
         self.recoveries.append(r)
         self.metrics.on_recovery(r.stage, r.tokens)
-        log.warning("recovered in %.1f s (%d attempt(s)); %d requests compute %d tokens again",
-                    r.seconds, attempts, r.requests, r.tokens)
+        phases = getattr(self._workers, "start_phases", None)  # Ray's, of the replacement
+        log.warning("recovered in %.1f s (%d attempt(s)%s); %d requests compute %d tokens again",
+                    r.seconds, attempts, "".join(f", {k} {v:.1f} s" for k, v in (phases or {}).items()),
+                    r.requests, r.tokens)
         return None
 
     def _end_all(self, error: str, only_planned: bool = False) -> None:

@@ -63,13 +63,21 @@ class StageActor(RelayMember):
         from pp_runtime.parallel.p2p import warm_up
         from pp_runtime.worker.stage import StageWorker
 
-        rank = self.stage * spec.tp + self.tp_rank
+        rank, t0 = self.stage * spec.tp + self.tp_rank, time.perf_counter()
         groups = init_distributed(spec, rank)
         if relay:  # every rank creates every stage's control group, in stage order
             self.join_relay(spec, rank)
+        t1 = time.perf_counter()
         warmed = warm_up(groups, self.device)
+        t2 = time.perf_counter()
         self.worker = StageWorker(self.cfg, self.stage, self.device, self.checkpoint, groups)
+        self.start_s = {"groups": t1 - t0, "warm-up": t2 - t1,
+                        "weights": time.perf_counter() - t2}
         return warmed
+
+    def start_times(self) -> dict[str, float]:
+        """Seconds `start` spent joining the groups, warming up, building the worker."""
+        return self.start_s
 
     def execute(self, mb: MicroBatch):
         """(tokens or None, timing); under the relay (TP rank 0 only), the plan goes to

@@ -136,16 +136,22 @@ class RayExecutor(CompiledGraphPath, RelayPath):
             self.actors.append(actor_cls.options(
                 name=name, namespace=NAMESPACE, num_cpus=1, num_gpus=gpus,
                 scheduling_strategy=strategy).remote(staged, stage, r, self.checkpoint, self.device))
-        local = rt.ray_address is None
+        local, t0 = rt.ray_address is None, time.monotonic()
         addr, port = self._gather([self._call(0, "rendezvous_address", local)],
                                   rt.startup_timeout_s, "finding a rendezvous address")[0]
         spec = DistSpec(rt.dist_addr or addr, rt.dist_port or port, self.tp, self.pp,
                         self.backend, rt.step_timeout_s)
+        t1 = time.monotonic()
         starts = [self._call(i, "start", spec, self.grouped) for i in range(len(self.actors))]
         self.warm_ups = self._gather(starts, rt.startup_timeout_s,
                                      "joining the process group and loading weights")
+        t2 = time.monotonic()
         spans = self._gather([self._call(s * self.tp, "layers") for s in range(self.pp)],
                              rt.startup_timeout_s, "reporting its layers")
+        ranks = self._gather([self._call(i, "start_times") for i in range(len(self.actors))],
+                             rt.startup_timeout_s, "reporting its start")
+        self.start_phases = {"actors up": t1 - t0, "start": t2 - t1,  # seconds, slowest rank
+                             **{k: max(r[k] for r in ranks) for k in ranks[0]}}
         self.layer_split = [hi - lo for lo, hi in spans]  # what the workers hold (reports)
         if self.graph:
             self.dag = self._compile()
