@@ -141,7 +141,8 @@ def _pairs(wl) -> list[tuple[int, int]]:
 
 
 def cmd_plan(args) -> int:
-    from pp_runtime.plan.search import Slo, Workload, search
+    from pp_runtime.plan.runner import search
+    from pp_runtime.plan.search import Slo, Workload
     from pp_runtime.plan.space import candidates
 
     try:

@@ -25,7 +25,9 @@ from tqdm import tqdm
 
 from pp_runtime.config import Config
 from pp_runtime.plan.probe import Slo
-from pp_runtime.plan.search import PASSED, Result, is_weak, search_candidate, search_in_order
+from pp_runtime.plan.search import (PASSED, Result, Workload, is_weak, ordered, search_candidate,
+                                    search_in_order)
+from pp_runtime.plan.space import Candidate
 
 FIRST, LAYOUT, SINGLE = 0, 1, 2  # the order waiting work goes out in
 
@@ -123,3 +125,36 @@ def _expired(fn: Callable, args: tuple):
     for res, _ in args[1]:
         res.outcome = "budget"
     return [res for res, _ in args[1]], (0, 0)
+
+
+def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: int,
+           budget_s: float, fast: bool = True, cache_dir: str | None = None,
+           progress: bool = True, stop_early: bool = True) -> tuple[list[Result], tuple[int, int]]:
+    """Every candidate's Result (module docstring), the probes simulated and asked for."""
+    groups = ordered(items, wl, slo)
+    results = [r for g in groups for r, _ in g]
+
+    bar = tqdm(total=len(results), unit="deployment", desc="plan", disable=not progress, leave=False)
+    run = Runner(jobs, budget_s, slo, stop_early, cache_dir, bar)
+    try:
+        if not fast:
+            run([(res, cfg, None) for res, cfg in sorted(
+                (rc for g in groups for rc in g), key=lambda rc: -rc[1].parallel.pp)])
+        else:
+            fast_phases(run, groups)
+    finally:
+        run.close()
+        bar.close()
+    return results, (run.simulated, run.asked)
+
+
+def fast_phases(run, groups: list[list[tuple[Result, Config]]]) -> None:
+    """The fast path: (1) every layout's first candidate to its capacity; (2) every other
+    one against its layout's best, one probe at most; (3) those that passed, searched on
+    one after the other within their layout, each against the best so far (their probe
+    of (2) comes back from the cache): the same answer as searching each layout in order.
+    A layout whose first candidate came out below WEAK x its bound (or met nothing) skips
+    (2): its others one after the other from their own start (`search_candidate`'s
+    high). Each layout's next phase starts as soon as its last one ended
+    (`runner.Runner.fast`), so the processes never wait for another layout."""
+    run.fast(groups)

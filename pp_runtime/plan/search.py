@@ -225,40 +225,6 @@ def _search_one(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache: Pro
     res.detail = (seen[res.k] if res.k is not None else res.probes[-1]).detail
 
 
-def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: int,
-           budget_s: float, fast: bool = True, cache_dir: str | None = None,
-           progress: bool = True, stop_early: bool = True) -> tuple[list[Result], tuple[int, int]]:
-    """Every candidate's Result (module docstring), the probes simulated and asked for."""
-    groups = ordered(items, wl, slo)
-    results = [r for g in groups for r, _ in g]
-    from pp_runtime.plan.runner import Runner
-
-    bar = tqdm(total=len(results), unit="deployment", desc="plan", disable=not progress, leave=False)
-    run = Runner(jobs, budget_s, slo, stop_early, cache_dir, bar)
-    try:
-        if not fast:
-            run([(res, cfg, None) for res, cfg in sorted(
-                (rc for g in groups for rc in g), key=lambda rc: -rc[1].parallel.pp)])
-        else:
-            fast_phases(run, groups)
-    finally:
-        run.close()
-        bar.close()
-    return results, (run.simulated, run.asked)
-
-
-def fast_phases(run, groups: list[list[tuple[Result, Config]]]) -> None:
-    """The fast path: (1) every layout's first candidate to its capacity; (2) every other
-    one against its layout's best, one probe at most; (3) those that passed, searched on
-    one after the other within their layout, each against the best so far (their probe
-    of (2) comes back from the cache): the same answer as searching each layout in order.
-    A layout whose first candidate came out below WEAK x its bound (or met nothing) skips
-    (2): its others one after the other from their own start (`search_candidate`'s
-    high). Each layout's next phase starts as soon as its last one ended
-    (`runner.Runner.fast`), so the processes never wait for another layout."""
-    run.fast(groups)
-
-
 def is_weak(first: Result) -> bool:
     return first.k is None or rate(first.k) < WEAK * first.bound_qps / first.candidate.layout.gpus
 
