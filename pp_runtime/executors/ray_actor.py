@@ -15,7 +15,7 @@ import time
 from pp_runtime.config import Config
 from pp_runtime.core.batch import MicroBatch, SampledTokens
 from pp_runtime.executors.ray_relay import RelayMember
-from pp_runtime.parallel.groups import DistSpec, free_port
+from pp_runtime.parallel.groups import DistSpec, listen_on
 
 # concurrency groups besides the default one (which runs `execute` in submission order):
 # the relay's follow loop holds one; probes and fault injection answer from the other
@@ -53,7 +53,8 @@ class StageActor(RelayMember):
         import ray
 
         addr = "127.0.0.1" if local else ray.util.get_node_ip_address()
-        return addr, free_port(addr)
+        self.server = listen_on(addr)  # listening before any rank starts (`listen_on`)
+        return addr, self.server.getsockname()[1]
 
     def start(self, spec: DistSpec, relay: bool = False) -> list[str]:
         """Join the process group (and, with `relay`, the stage's control channel: every
@@ -64,7 +65,12 @@ class StageActor(RelayMember):
         from pp_runtime.worker.stage import StageWorker
 
         rank, t0 = self.stage * spec.tp + self.tp_rank, time.perf_counter()
-        groups = init_distributed(spec, rank)
+        server = getattr(self, "server", None)  # rank 0: the socket rendezvous_address opened
+        self.server = None
+        if server is not None and server.getsockname()[1] != spec.port:  # runtime.dist_port set
+            server.close()
+            server = None
+        groups = init_distributed(spec, rank, server)
         if relay:  # every rank creates every stage's control group, in stage order
             self.join_relay(spec, rank)
         t1 = time.perf_counter()

@@ -75,8 +75,20 @@ def _is_loopback(addr: str) -> bool:
         return addr == "localhost"
 
 
-def init_distributed(spec: DistSpec, rank: int) -> StageGroups:
-    """Join the deployment's process group as `rank` and create every stage's TP group."""
+def listen_on(addr: str, port: int = 0) -> socket.socket:
+    """A listening socket for rank 0's store, opened before any other rank starts: their
+    connections wait in its backlog instead of being refused (a refused TCPStore client
+    backs off exponentially, and a rank that started seconds early then waited 20-30 s)."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((addr, port))  # fails now, clearly, if the port is taken
+    server.listen()
+    return server
+
+
+def init_distributed(spec: DistSpec, rank: int, server: socket.socket | None = None) -> StageGroups:
+    """Join the deployment's process group as `rank` and create every stage's TP group;
+    rank 0's store takes `server` (`listen_on`) or listens on spec's address now."""
     if _is_loopback(spec.addr):
         lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
         if lo:  # keep gloo / NCCL sockets on the loopback interface too
@@ -84,10 +96,7 @@ def init_distributed(spec: DistSpec, rank: int) -> StageGroups:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
     timeout, listen_fd = timedelta(seconds=spec.timeout_s), None
     if rank == 0:
-        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind((spec.addr, spec.port))  # fails now, clearly, if the port is taken
-        server.listen()
+        server = server if server is not None else listen_on(spec.addr, spec.port)
         listen_fd = server.detach()  # the store owns the socket from here
     store = dist.TCPStore(spec.addr, spec.port, spec.world_size, rank == 0, timeout,
                           master_listen_fd=listen_fd)
