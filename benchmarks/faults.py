@@ -34,7 +34,6 @@ import os
 import random
 import re
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -509,12 +508,6 @@ def recovery_lines(log: Path) -> list[str]:
 
 # ---- main -------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM too: the `with ServerProcess` block stops the server
 
@@ -557,6 +550,7 @@ def main() -> int:
     from pp_runtime.bench.capacity import ServerProcess
     from pp_runtime.cli.common import parse_overrides
     from pp_runtime.config import load_config
+    from pp_runtime.core.net import free_port
 
     sets = args.set + ([f"runtime.step_timeout_s={args.step_timeout:g}"] if args.hang else [])
     cfg = load_config(args.config, **parse_overrides(sets))

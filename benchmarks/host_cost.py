@@ -33,7 +33,7 @@ def torchrun_rank(rank: int, world: int, cfg, profile: str, requests: int, port:
 
     from pp_runtime.executors.control import ControlChannel
     from pp_runtime.executors.torchrun_executor import TorchrunExecutor, serve
-    from pp_runtime.cli.torchrun import keep_on_loopback
+    from pp_runtime.core.net import keep_on_loopback
     from pp_runtime.parallel.groups import destroy, stage_groups
     from pp_runtime.parallel.p2p import warm_up
     from pp_runtime.worker.stage import StageWorker

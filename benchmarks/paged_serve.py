@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -30,15 +29,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray o
 from pp_runtime.bench.capacity import ServerProcess, capacity_search, server_probe  # noqa: E402
 from pp_runtime.config import load_config  # noqa: E402
 from pp_runtime.bench.loadgen import load_test  # noqa: E402
+from pp_runtime.core.net import free_port  # noqa: E402
 from pp_runtime.core.workload import RequestSpec  # noqa: E402
 
 WORKLOAD = {"workload.min_len": 64, "workload.max_len": 512, "chunk_size": 128, "tile_size": 128}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sets(d: dict) -> list[str]:

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -36,6 +35,7 @@ from pp_runtime.bench.capacity import (ServerProcess, capacity_search, plot_late
                                  server_probe, sim_probe)
 from pp_runtime.config import load_config  # noqa: E402
 from pp_runtime.bench.loadgen import load_test, workload_prompts  # noqa: E402
+from pp_runtime.core.net import free_port  # noqa: E402
 from pp_runtime.core.workload import generate  # noqa: E402
 
 # --quick: shorter requests and chunks, fewer requests and probes (GPT-2-small shapes kept)
@@ -44,12 +44,6 @@ QUICK = {"workload.num_requests": 12, "workload.min_len": 64, "workload.max_len"
 
 
 SIM_MAX_PROBES = 12  # a simulated probe takes well under a second: bracket it tightly
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ms(x: float | None) -> str:

@@ -29,11 +29,9 @@ itself, SIGSTOP itself or sleep forever before its micro-batch N + 1
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import itertools
 import os
 import signal
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -46,6 +44,7 @@ from pp_runtime.cli.common import Parser, config_from_args, non_negative_int, po
 from pp_runtime.config import Config
 from pp_runtime.worker.device import dist_backend, resolve_device
 from pp_runtime.core.errors import ConfigError
+from pp_runtime.core.net import keep_on_loopback
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -68,19 +67,6 @@ def _device(cfg: Config, local_rank: int) -> torch.device:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     return device
-
-
-def keep_on_loopback(master_addr: str) -> None:
-    """With a loopback MASTER_ADDR (one machine), gloo and NCCL listen on the loopback
-    interface too, as `parallel/groups.py` does for the Ray executor; set variables win."""
-    try:
-        loopback = ipaddress.ip_address(master_addr).is_loopback
-    except ValueError:
-        loopback = master_addr == "localhost"
-    lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
-    if loopback and lo:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
 
 
 def attempt_store(rank: int, world: int, timeout: timedelta):

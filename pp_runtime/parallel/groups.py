@@ -8,13 +8,13 @@ on every interface), and on a loopback address gloo / NCCL use the loopback inte
 """
 from __future__ import annotations
 
-import ipaddress
-import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from pp_runtime.core.net import keep_on_loopback
 
 
 @dataclass(frozen=True)
@@ -61,20 +61,6 @@ class StageGroups:
         return self.rank + self.tp if self.stage < self.pp - 1 else None
 
 
-def free_port(addr: str) -> int:
-    """A port that is free on addr now (bound and released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return addr == "localhost"
-
-
 def listen_on(addr: str, port: int = 0) -> socket.socket:
     """A listening socket for rank 0's store, opened before any other rank starts: their
     connections wait in its backlog instead of being refused (a refused TCPStore client
@@ -89,11 +75,7 @@ def listen_on(addr: str, port: int = 0) -> socket.socket:
 def init_distributed(spec: DistSpec, rank: int, server: socket.socket | None = None) -> StageGroups:
     """Join the deployment's process group as `rank` and create every stage's TP group;
     rank 0's store takes `server` (`listen_on`) or listens on spec's address now."""
-    if _is_loopback(spec.addr):
-        lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
-        if lo:  # keep gloo / NCCL sockets on the loopback interface too
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+    keep_on_loopback(spec.addr)  # gloo / NCCL sockets on the loopback interface too
     timeout, listen_fd = timedelta(seconds=spec.timeout_s), None
     if rank == 0:
         server = server if server is not None else listen_on(spec.addr, spec.port)

@@ -14,25 +14,19 @@ choice beat the reference for real. Small models on this machine's CPU pipeline 
 from __future__ import annotations
 
 import math
-import socket
 import threading
 from dataclasses import replace
 from pathlib import Path
 
 from pp_runtime.bench.capacity import Probe, ServerProcess, capacity_search, meets
 from pp_runtime.config import Config, ConfigError, load_config
+from pp_runtime.core.net import free_port
 from pp_runtime.plan.probe import SPAN_TTFTS
 from pp_runtime.plan.search import REL_TOL, Result, Slo, Workload, search_candidate, upper_bound
 from pp_runtime.plan.space import Candidate, Layout
 
 MAX_REAL_PROBES = 6
 MAX_REAL_REQUESTS = 300  # the fastest rate probed sends this many in 10 TTFT SLOs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def real_probe(urls: list[str], cfg: Config, slo: Slo, log):

@@ -19,7 +19,7 @@ from pp_runtime.config import load_config
 from pp_runtime.bench.loadgen import (LATENCY_KEYS, RequestResult, ServerUnreachable, load_test,
                                       slo_attainment, stats, summarize)
 from pp_runtime.core.workload import RequestSpec, workload_prompts
-from ports import free_port
+from pp_runtime.core.net import free_port
 
 
 def result(i, sent, times, finish="length", **kw):

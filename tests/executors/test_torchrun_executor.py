@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from pp_runtime.core.batch import MicroBatch, SampledTokens, Sampling, SeqChunk, StageTiming
 from pp_runtime.executors.torchrun_executor import ControlChannel, TorchrunExecutor
-from ports import free_port
+from pp_runtime.core.net import free_port
 
 
 class GatedStage:

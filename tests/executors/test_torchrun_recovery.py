@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pp_runtime.core import journal
-from ports import free_port
+from pp_runtime.core.net import free_port
 
 pytestmark = pytest.mark.slow  # torchrun processes (pytest.ini)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ports import free_port
+from pp_runtime.core.net import free_port
 
 pytestmark = pytest.mark.slurm
 

@@ -12,7 +12,7 @@ import torch
 
 from pp_runtime.core.batch import MicroBatch, SeqChunk
 from pp_runtime.costmodel.p2p import _reap
-from pp_runtime.parallel.groups import free_port
+from pp_runtime.core.net import free_port
 from pp_runtime.parallel.p2p import ONE_MESSAGE_BYTES
 
 HIDDEN = 64

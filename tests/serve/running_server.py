@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ports import free_port
+from pp_runtime.core.net import free_port
 
 
 class Server:

@@ -35,7 +35,7 @@ import pytest  # noqa: E402
 import yaml  # noqa: E402
 
 from pp_runtime.telemetry.metrics import SPECS, Metric  # noqa: E402
-from ports import free_port  # noqa: E402
+from pp_runtime.core.net import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs" / "grafana" / "pp_runtime.json"

@@ -20,7 +20,7 @@ from pp_runtime.core.request import FinishReason, Request, SamplingParams  # noq
 from pp_runtime.telemetry.bubbles import account  # noqa: E402
 from pp_runtime.telemetry.metrics import (SPECS, Kind, Metric, NullSink, RuntimeMetrics,  # noqa: E402
                                           default_sink)
-from ports import free_port  # noqa: E402
+from pp_runtime.core.net import free_port  # noqa: E402
 
 
 class MemorySink:
