@@ -19,16 +19,14 @@ from tqdm import tqdm
 
 from pp_runtime.config import Config
 from pp_runtime.worker.device import dist_backend, now, torch_dtype
-from pp_runtime.parallel.groups import DistSpec, free_port, init_distributed
+from pp_runtime.core.net import free_port
+from pp_runtime.parallel.groups import DistSpec, init_distributed
 
 if TYPE_CHECKING:
     from pp_runtime.costmodel.measure import Effort, ProfileGrid
 
 P2P_START_S = 120.0  # the two send/recv processes must start and report within this
 P2P_JOIN_S = 20.0  # then they must exit within this, or they are terminated
-
-def _free_port() -> int:
-    return free_port("127.0.0.1")  # the only address any process of the profile uses
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ def _p2p_job(cfg: Config, device: torch.device, grid: ProfileGrid,
         note = "gloo over host memory (one GPU: NCCL needs two)"
     width = cfg.model.hidden_size // cfg.parallel.tp
     dtype = cfg.model.dtype_for(device.type)  # the dtype the stages send in
-    return _P2PJob(_free_port(), backend, devices, dtype, width, grid.send_tokens,
+    return _P2PJob(free_port("127.0.0.1"), backend, devices, dtype, width, grid.send_tokens,
                    effort.warmup + 1, effort.max_repeats), note
 
 
