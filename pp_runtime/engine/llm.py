@@ -77,7 +77,7 @@ class LLM:
         handles = []
         try:
             for i, (prompt, sp, at) in enumerate(zip(prompts, plist, arrivals)):
-                seed = sp.seed if sp.seed is not None else default_seed(self.config.runtime.seed, i)
+                seed = default_seed(self.config.runtime.seed, i)  # where sp.seed is None
                 handles.append(engine.add_request(prompt, sp, seed=seed, arrival_s=base + at,
                                                   watcher=watcher,
                                                   generated=(generated or {}).get(i, ())))

@@ -107,7 +107,7 @@ class Engine:
         if len(generated) >= params.max_tokens:
             raise InvalidRequestError(f"{len(generated)} tokens already generated: nothing is "
                                       f"left of max_tokens {params.max_tokens}", "generated")
-        if params.seed is not None:
+        if params.seed is not None:  # the one place the request's own seed wins
             seed = params.seed
         elif seed is None:
             seed = default_seed(self.cfg.runtime.seed)
