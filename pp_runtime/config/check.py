@@ -21,8 +21,12 @@ if TYPE_CHECKING:
 
 FAMILIES = ("gpt", "llama")
 ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3")  # model/rope.py
+# The names a config may give; each package maps them to its implementation
+# (planner/__init__.py: PLANNERS, model/transformer.py: ACTIVATIONS), and
+# tests/config/test_names.py checks that the two agree.
 PLANNERS = ("sarathi", "orca-best", "orca-worst", "request-level", "vllm", "uniform",
             "sarathi-serve", "gllm")
+ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")  # the MLP's (model.activation)
 
 LAYER_SPLIT_AUTO = "auto"  # parallel.layer_split chosen by costmodel/balance.py
 LAYER_SPLIT_EVEN = "even"  # even, also where a profile exists (None: auto there)
@@ -100,8 +104,8 @@ def _check_model(m) -> None:
            f"RoPE needs an even head dim, got {m.head_dim}", "change hidden_size or num_heads")
     _check_llama_fields(m)
     _check(m.ffn >= 1, "model.ffn_size", f"must be >= 1, got {m.ffn}", "set a positive value")
-    _check(m.act in ("gelu_new", "gelu", "relu", "silu"), "model.activation",
-           f"unknown activation {m.act!r}", "use gelu_new, gelu, relu or silu")
+    _check(m.act in ACTIVATIONS, "model.activation", f"unknown activation {m.act!r}",
+           f"use one of {', '.join(ACTIVATIONS)}")
     _check(m.eos_token_id is None or 0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id",
            f"{m.eos_token_id} is outside the vocabulary [0, {m.vocab_size})", "fix or unset it")
 
