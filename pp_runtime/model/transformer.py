@@ -42,21 +42,11 @@ from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.parallel.layers import Parallel, Unsharded, shard_of
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
 def make_norm(m: ModelConfig) -> nn.Module:
+    # torch's RMSNorm: equal to transformers' in fp32; in bf16 / fp16 it scales by the weight
+    # before the one cast to the input dtype (transformers casts, then scales: two roundings)
     if m.family == "llama":
-        return RMSNorm(m.hidden_size, m.norm_eps)
+        return nn.RMSNorm(m.hidden_size, eps=m.norm_eps)
     return nn.LayerNorm(m.hidden_size, eps=m.norm_eps)
 
 
@@ -120,7 +110,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = make_norm(m)
         # rank r's rows are [q_r; k_r; v_r]: its query heads and its KV-cache heads line up
         self.qkv = par.column(h, q + 2 * kv, m.use_qkv_bias, parts=(q, kv, kv))
-        qk_norm = (lambda: RMSNorm(m.head_dim, m.norm_eps)) if m.qk_norm else nn.Identity
+        qk_norm = (lambda: nn.RMSNorm(m.head_dim, eps=m.norm_eps)) if m.qk_norm else nn.Identity
         self.q_norm, self.k_norm = qk_norm(), qk_norm()  # per head, whole on every rank
         self.rotary = Rotary(Rope.of(m)) if llama else NoRotary()
         self.out = par.row(q, h, m.use_bias)
