@@ -8,7 +8,8 @@ and TP rank,
     prefill(start, n)     = a0 + n * (a1 + a2 * start + a3 * n)       # a3: the causal n^2/2
     decode(count, sum_kv) = d0 + d1 * count + d2 * sum_kv              # every K/V byte read once
 
-fitted by least squares (relative error, coefficients kept >= 0, so cost never falls as
+fitted by least squares of the relative error, refit without any term whose coefficient
+came out negative (`lstsq_dropping_negatives`: coefficients >= 0, so cost never falls as
 tokens or keys grow). Decodes of mixed KV lengths are priced by their total keys: decode
 attention is memory-bound and reads each cached byte once, so the total is what costs.
 A fit is carried to another model by the ratio of per-rank widths (query width for the
@@ -54,10 +55,11 @@ class AttentionFit:
                             self.q_width, self.kv_width, self.head_dim, self.label)
 
 
-def nonneg_fit(x: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
-    """Least squares of relative error (else of the error itself) with coefficients >= 0:
-    refit without any feature whose coefficient came out negative (a small active-set
-    loop; few features)."""
+def lstsq_dropping_negatives(x: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
+    """Least squares of relative error (else of the error itself), then refit without every
+    feature whose coefficient came out negative, until none is: coefficients >= 0, but not
+    the optimum of non-negative least squares (`scipy.optimize.nnls`, not a dependency here,
+    may keep a feature this drops). Few features, so few refits."""
     w = 1.0 / np.maximum(y, 1e-9) if relative else np.ones_like(y)
     active = list(range(x.shape[1]))
     while active:
@@ -99,10 +101,10 @@ def _fit_attention(path: str, mtime: float, shape: LayerShape, label: str,
     if pre.sum() < 4 or dec.sum() < 3:
         return None
     n, start = t["prefill_chunk_size"][pre], t["kv_cache_size"][pre]
-    a = nonneg_fit(np.stack([np.ones_like(n), n, n * start, n * n], axis=1),
+    a = lstsq_dropping_negatives(np.stack([np.ones_like(n), n, n * start, n * n], axis=1),
                    t[median("attn_prefill")][pre] * MS)
     b, keys = t["batch_size"][dec], t["kv_cache_size"][dec] + 1  # cached + the new token
-    d = nonneg_fit(np.stack([np.ones_like(b), b, b * keys], axis=1),
+    d = lstsq_dropping_negatives(np.stack([np.ones_like(b), b, b * keys], axis=1),
                    t[median("attn_decode")][dec] * MS)
     hd = e // h
     return AttentionFit(tuple(a.tolist()), tuple(d.tolist()), h // tp * hd, kv // tp * hd, hd,

@@ -10,9 +10,9 @@ shared by every process of one machine) when the driver submits and gets each mi
 and when each stage takes, computes and frees it. From those:
 
 - the compute fit (`ComputeFit`): every (micro-batch, stage) compute time against the
-  profile's price of the same micro-batch on that stage, non-negative least squares of
-  the error in seconds (`attention.nonneg_fit`: the long micro-batches make the run's
-  time, so they weigh most); the first 2 * pp micro-batches are warm-up and left out;
+  profile's price of the same micro-batch on that stage, least squares of the error in
+  seconds with negative terms dropped (`attention.lstsq_dropping_negatives`: the long
+  micro-batches make the run's time, so they weigh most); the first 2 * pp micro-batches are warm-up and left out;
 - the host costs (`HostCost`), medians over the micro-batches where each is visible:
   plan (the driver's time before a submit), submit, dispatch (submit to an idle stage 0
   taking it), each stage's time between calls (when the next call was already queued),
@@ -32,7 +32,7 @@ import numpy as np
 from pp_runtime.core.batch import MicroBatch, SampledTokens, StageTiming
 from pp_runtime.config import Config
 from pp_runtime.costmodel import calibration
-from pp_runtime.costmodel.attention import nonneg_fit
+from pp_runtime.costmodel.attention import lstsq_dropping_negatives
 from pp_runtime.costmodel.calibration import Calibration, ComputeFit, HostCost
 
 WARM_UP = 2  # micro-batches per stage left out of the compute fit (first calls are slow)
@@ -125,7 +125,7 @@ def fit_compute(cfg: Config, mbs: dict[int, MicroBatch],
     if not y:
         return ComputeFit(), 0, 0.0
     xa, ya = np.array(x), np.array(y)
-    coef = nonneg_fit(xa, ya, relative=False)  # seconds: the run's total time is what counts
+    coef = lstsq_dropping_negatives(xa, ya, relative=False)  # seconds: the run's total counts
     rms = float(np.sqrt(np.mean(((xa @ coef) / ya - 1) ** 2)))
     return ComputeFit(float(coef[0]), float(coef[1]), float(coef[2])), len(y), rms
 

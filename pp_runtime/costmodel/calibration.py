@@ -10,7 +10,7 @@ written by `costmodel/calibrate.py` next to the profile's tables:
 - **compute under contention** (`ComputeFit`): the stages run side by side on shared
   cores with the driver and Ray beside them, and every call pays work the per-op tables
   leave out (the KV write, the batch layout, Python between ops, sampling). Fitted over
-  every (micro-batch, stage) of the run, non-negative least squares:
+  every (micro-batch, stage) of the run, least squares with negative terms dropped:
 
       real compute = scale * priced + per_layer_s * layers + per_row_s * sampling rows (last stage)
 
