@@ -29,11 +29,13 @@ def test_with_no_extras_the_balanced_split_is_the_even_split():
 
 
 def test_100_layers_on_16_stages_is_quick():
+    """This process's CPU time (not the wall clock, which other processes stretch): the
+    dynamic programme is ~16 x 100^2 steps, a few tens of ms."""
     import time
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     split = balanced_split(100, 0.3, [0.1] + [0.0] * 14 + [0.9])
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
     assert sum(split) == 100 and min(split) >= 1 and split[-1] == 3  # 3 * 0.3 + 0.9 = 1.8
 
 
