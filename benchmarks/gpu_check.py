@@ -296,7 +296,7 @@ def check_pp2(args) -> None:
 # ---- profile vs the shipped tables -----------------------------------------------------------
 def check_profile(args) -> None:
     from pp_runtime.costmodel import build_cost_model
-    from pp_runtime.costmodel.measure import measure_profile
+    from pp_runtime.profile.measure import measure_profile
 
     cfg = config_from_dict({"model": {"preset": "llama2-70b", "dtype": "bfloat16"},
                             "parallel": {"tp": 8, "pp": 1}, "planner": {"max_batch_size": 32},

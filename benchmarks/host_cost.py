@@ -1,7 +1,7 @@
 """The runtime's host cost per micro-batch per stage (issues 22 and 23), per executor.
 
 For each model and pipeline depth: a quick profile of this machine, then a short real run
-on each executor (`costmodel/calibrate.py`): Ray (one actor per stage) and torchrun (one
+on each executor (`profile/calibrate.py`): Ray (one actor per stage) and torchrun (one
 process per stage, started here with torch.multiprocessing as torchrun would, rank 0
 driving), and the host costs the simulator charges (docs/simulator.md, "Host costs"): the
 driver's turn before a submit, the submit (Ray: `ray.put` and one task per actor, or one
@@ -21,8 +21,8 @@ import tempfile
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on 127.0.0.1
 
 from pp_runtime.config import load_config  # noqa: E402
-from pp_runtime.costmodel.calibrate import calibrate  # noqa: E402
-from pp_runtime.costmodel.measure import measure_profile  # noqa: E402
+from pp_runtime.profile.calibrate import calibrate  # noqa: E402
+from pp_runtime.profile.measure import measure_profile  # noqa: E402
 
 
 def torchrun_rank(rank: int, world: int, cfg, profile: str, requests: int, port: int, out) -> None:

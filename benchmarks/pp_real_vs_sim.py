@@ -31,7 +31,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on 127.0.0.1
 
 from pp_runtime.config import load_config  # noqa: E402
-from pp_runtime.costmodel.measure import measure_profile  # noqa: E402
+from pp_runtime.profile.measure import measure_profile  # noqa: E402
 from pp_runtime.engine.llm import run_workload  # noqa: E402
 from pp_runtime.engine.simulate import simulate  # noqa: E402
 from pp_runtime.telemetry.report import format_summary, write_report  # noqa: E402
@@ -128,7 +128,7 @@ def main() -> None:
     if cfg.seq_len >= 256 + 249 + 8:  # its micro-batches need that many positions
         isolated_check(cfg, profile)
     if args.calibrate:
-        from pp_runtime.costmodel.calibrate import calibrate
+        from pp_runtime.profile.calibrate import calibrate
         from pp_runtime.costmodel.calibration import describe
         cal = calibrate(cfg, profile, requests=args.calibrate)
         print(f"calibration ({args.calibrate} requests, split "

@@ -58,7 +58,7 @@ def profile_for(cfg, args, out: Path) -> str:
     if not (path / "profile.json").exists() and not any(path.glob("*.csv")):
         import torch
 
-        from pp_runtime.costmodel.measure import measure_profile
+        from pp_runtime.profile.measure import measure_profile
 
         torch.set_num_threads(cfg.runtime.threads_per_worker or 1)  # as each stage worker runs
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_profile(args) -> int:
-    from pp_runtime.costmodel.measure import measure_profile
+    from pp_runtime.profile.measure import measure_profile
 
     cfg = config_from_args(args)
     if cfg.runtime.threads_per_worker:  # measure as the stage workers will run
@@ -33,7 +33,7 @@ def cmd_profile(args) -> int:
     print(f"profile of {cfg.model.name} (tp={cfg.parallel.tp}) written to {path}/ in "
           f"{time.perf_counter() - t0:.0f} s; simulate with it: --set hardware.profile={path}")
     if args.calibrate:  # a short real run on the config's executor (docs/costmodel.md)
-        from pp_runtime.costmodel.calibrate import calibrate
+        from pp_runtime.profile.calibrate import calibrate
         from pp_runtime.costmodel.calibration import describe
         print(f"calibration: {describe(calibrate(cfg, path, requests=args.calibrate))}")
     return 0

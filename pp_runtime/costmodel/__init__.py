@@ -6,8 +6,9 @@
     cost.send_time(num_tokens, stage)            # stage - 1 -> stage
     cost.breakdown(...), cost.sources()
 
-Sources in order: a local profile (`hardware.profile`), the shipped measured tables
-(Vidur's A100/H100 profiles, scaled to missing shapes by roofline ratios), the roofline.
+Sources in order: a local profile (`hardware.profile`, measured by `pp_runtime/profile/`,
+which this package never imports), the shipped measured tables (Vidur's A100/H100
+profiles, scaled to missing shapes by roofline ratios), the roofline.
 """
 from pp_runtime.costmodel.devices import DEVICES, DeviceSpec, Link, device_spec
 from pp_runtime.costmodel.model import StageCostModel, build_cost_model, build_pricing

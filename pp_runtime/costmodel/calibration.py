@@ -5,7 +5,7 @@ pipeline pays more, and the simulator prices it from this file, one entry per ex
 TP degree, pipeline depth and path (`"ray/pp2"`, `"ray/pp2/graph"`, `"ray/tp2/pp2/relay"`,
 `"torchrun/pp3"`: more processes share the cores at tp 2, and the Ray executor's compiled
 graph or TP relay cost the host far less or more per micro-batch than a task per actor),
-written by `costmodel/calibrate.py` next to the profile's tables:
+written by `profile/calibrate.py` next to the profile's tables:
 
 - **compute under contention** (`ComputeFit`): the stages run side by side on shared
   cores with the driver and Ray beside them, and every call pays work the per-op tables

@@ -54,7 +54,7 @@ def ensure(configs: list[Config], profile: str, requests: int, here: bool, log=p
 
 def measure(cfg: Config, profile: str, requests: int):
     """`profile --calibrate`'s run for this config (saved into the profile's calibration.json)."""
-    from pp_runtime.costmodel.calibrate import calibrate
+    from pp_runtime.profile.calibrate import calibrate
 
     if cfg.runtime.threads_per_worker:  # as `pp-runtime profile` runs it
         import torch

@@ -31,7 +31,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def now(device: torch.device) -> float:
     """Wall-clock seconds after the device has finished its queued work (a device-wide
     synchronize on CUDA): for host-side round trips such as the profiler's send/recv
-    ping-pong (`costmodel/p2p.py`). Stage work is timed with `telemetry/timer.py`
+    ping-pong (`profile/p2p.py`). Stage work is timed with `telemetry/timer.py`
     (CUDA events, no synchronize per operation)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -6,7 +6,7 @@ import pytest
 from test_hf_reference import NEW_TOKENS, hf_greedy, make_prompts
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.config import Config
-from pp_runtime.costmodel.measure import measure_profile
+from pp_runtime.profile.measure import measure_profile
 from pp_runtime.model.loader import model_config_from_hf, read_hf_config
 
 

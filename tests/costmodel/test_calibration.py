@@ -5,7 +5,7 @@ import pytest
 from pp_runtime.core.batch import StageTiming
 from pp_runtime.config import Config
 from pp_runtime.costmodel import balance, calibration
-from pp_runtime.costmodel.calibrate import host_costs
+from pp_runtime.profile.calibrate import host_costs
 from pp_runtime.costmodel.calibration import Calibration, ComputeFit, HostCost
 from pp_runtime.costmodel.model import StageCostModel, build_pricing, find_calibration
 
@@ -105,7 +105,7 @@ def test_the_compute_fit_recovers_a_known_contention():
     """Stage compute made up as 1.3 x the profile's price + 2 ms a layer + 0.5 ms a sampling
     row on the last stage: the fit finds those three numbers."""
     from pp_runtime.core.batch import MicroBatch, Sampling, SeqChunk
-    from pp_runtime.costmodel.calibrate import WARM_UP, fit_compute
+    from pp_runtime.profile.calibrate import WARM_UP, fit_compute
 
     cfg = Config().with_overrides(pp=2, layer_split=[7, 5])
     cost = StageCostModel(cfg, build_pricing(cfg))

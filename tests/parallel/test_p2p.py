@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 
 from pp_runtime.core.batch import MicroBatch, SeqChunk
-from pp_runtime.costmodel.p2p import _reap
+from pp_runtime.profile.p2p import _reap
 from pp_runtime.core.net import free_port
 from pp_runtime.parallel.p2p import ONE_MESSAGE_BYTES
 

@@ -30,7 +30,7 @@ from pp_runtime.model.attention import BatchLayout
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.loader import load_stage_weights, model_config_from_hf, read_hf_config
 from pp_runtime.model.transformer import StageModel
-from pp_runtime.costmodel.p2p import _reap
+from pp_runtime.profile.p2p import _reap
 from pp_runtime.core.net import free_port
 from pp_runtime.parallel.layers import Shard, Unsharded, shard_of
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from pp_runtime.config import Config
-from pp_runtime.costmodel import p2p
-from pp_runtime.costmodel.measure import (ATTENTION_COLUMNS, MLP_COLUMNS, MLP_OPS,
-                                          SEND_RECV_COLUMNS, measure_profile, op_shapes,
-                                          profile_grid)
+from pp_runtime.profile import p2p
+from pp_runtime.profile.grid import profile_grid
+from pp_runtime.profile.measure import (ATTENTION_COLUMNS, MLP_COLUMNS, MLP_OPS,
+                                        SEND_RECV_COLUMNS, measure_profile, op_shapes)
 from pp_runtime.core.errors import ConfigError
 
 GPT = Config().with_overrides(num_layers=2, hidden_size=64, num_heads=4, vocab_size=256,

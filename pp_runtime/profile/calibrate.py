@@ -1,6 +1,6 @@
 """A short real run that measures what the quiet profile misses: `calibration.json`.
 
-    from pp_runtime.costmodel.calibrate import calibrate
+    from pp_runtime.profile.calibrate import calibrate
     calibrate(cfg, "profiles/cpu-gpt2", requests=10)   # -> Calibration, saved in the profile
 
 It runs `cfg`'s workload (all requests at once, `requests` of them) on the real executor
@@ -11,8 +11,9 @@ and when each stage takes, computes and frees it. From those:
 
 - the compute fit (`ComputeFit`): every (micro-batch, stage) compute time against the
   profile's price of the same micro-batch on that stage, least squares of the error in
-  seconds with negative terms dropped (`attention.lstsq_dropping_negatives`: the long
-  micro-batches make the run's time, so they weigh most); the first 2 * pp micro-batches are warm-up and left out;
+  seconds with negative terms dropped (`costmodel.attention.lstsq_dropping_negatives`:
+  the long micro-batches make the run's time, so they weigh most); the first 2 * pp
+  micro-batches are warm-up and left out;
 - the host costs (`HostCost`), medians over the micro-batches where each is visible:
   plan (the driver's time before a submit), submit, dispatch (submit to an idle stage 0
   taking it), each stage's time between calls (when the next call was already queued),

@@ -10,7 +10,6 @@ import queue
 import statistics
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,9 +20,7 @@ from pp_runtime.config import Config
 from pp_runtime.worker.device import dist_backend, now, torch_dtype
 from pp_runtime.core.net import free_port
 from pp_runtime.parallel.groups import DistSpec, init_distributed
-
-if TYPE_CHECKING:
-    from pp_runtime.costmodel.measure import Effort, ProfileGrid
+from pp_runtime.profile.grid import Effort, ProfileGrid
 
 P2P_START_S = 120.0  # the two send/recv processes must start and report within this
 P2P_JOIN_S = 20.0  # then they must exit within this, or they are terminated
