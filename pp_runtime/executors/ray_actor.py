@@ -136,11 +136,12 @@ class StageActor(RelayMember):
         destroy()
 
 
-def stage_actor_class(ray, relay: bool):
-    """`StageActor` as a Ray actor class: with the relay's concurrency groups (each call
-    names its group, `RayExecutor._call`), else a plain actor, whose calls run on its own
-    thread (measured no cheaper per call than a grouped one: docs/distributed.md; plain
-    keeps Ray's default where nothing needs a second thread)."""
-    if relay:
+def stage_actor_class(ray, groups: bool):
+    """`StageActor` as a Ray actor class: with concurrency groups (each call names its
+    group, `RayExecutor._call`) off the compiled graph, so `ping` and `progress` answer
+    while `execute` waits on a hung neighbour and the diagnosis names the rank that hangs
+    (measured no dearer per call than a plain actor: docs/distributed.md); under the graph
+    a plain actor, whose graph loop runs on a thread of its own."""
+    if groups:
         return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageActor)
     return ray.remote(StageActor)

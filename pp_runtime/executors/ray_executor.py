@@ -30,8 +30,9 @@ every rank, in rank order.
 Faults: an actor that dies, a call that raises, or a rank that does not finish within
 `runtime.step_timeout_s` (or `startup_timeout_s` while starting) raises `WorkerFailed`
 naming the stage and rank (with the relay: the driver waits on every `follow()` call with
-each micro-batch, so a follower that dies is named at once, and a hung one is told apart
-from its waiting TP rank 0 by `progress`); the driver then ends every unfinished request
+each micro-batch, so a follower that dies is named at once). A hung rank is told apart
+from the ranks that wait on it by `progress`, answered from a concurrency group of its own
+(the rank that does not answer, else the one furthest behind); the driver then ends every unfinished request
 with finish reason `error`, and `shutdown()` kills every actor and removes the placement
 group.
 An interrupt (Ctrl-C, SIGTERM) while starting or running ends the same way, and a local
@@ -70,7 +71,8 @@ NAMESPACE = "pp_runtime"  # Ray namespace of every stage actor (`ray list actors
 
 class RayExecutor(CompiledGraphPath, RelayPath):
     name = "ray"
-    grouped = False  # the relay runs: its actors have concurrency groups (decided in `_start`)
+    grouped = False  # the relay runs (decided in `_start`)
+    controlled = False  # the actors have concurrency groups: probes reach a busy rank
 
     def __init__(self, cfg: Config, checkpoint: str | Path | None = None,
                  cancel: threading.Event | None = None):
@@ -116,6 +118,9 @@ class RayExecutor(CompiledGraphPath, RelayPath):
                                f"{rt.startup_timeout_s} s; is the cluster big enough?") from None
         self.graph = self._graph_wanted()  # runtime.compiled_graph; auto: ray_graph.graph_on
         self.grouped = rt.tp_relay and self.tp > 1 and not self.graph  # the relay runs
+        # off the graph, probes answer from a concurrency group of their own while a rank
+        # waits inside `execute`: a hang is named by progress, not by which result is late
+        self.controlled = not self.graph
         self.checkpoint = str(checkpoint) if checkpoint is not None else None
         self._start_workers()
 
@@ -127,7 +132,7 @@ class RayExecutor(CompiledGraphPath, RelayPath):
         cfg, rt, pg = self.cfg, self.cfg.runtime, self._pgs[0]
         staged = cfg.with_layer_split_resolved()  # "auto" chosen here once, sent as a list
         gpus = 1 if self.device == "cuda" else 0
-        actor_cls = stage_actor_class(self.ray, self.grouped)
+        actor_cls = stage_actor_class(self.ray, self.controlled)
         prefix = f"pp-{deployment_tag(cfg)}-{uuid.uuid4().hex[:6]}"  # unique per executor
         self.actor_names = [f"{prefix}-s{s}-tp{r}" for s in range(self.pp) for r in range(self.tp)]
         for i, name in enumerate(self.actor_names):  # rank order
@@ -177,7 +182,7 @@ class RayExecutor(CompiledGraphPath, RelayPath):
         """`actor.method.remote(*args)` on actor i, as a task named `stage<s>-tp<r>.method`
         (under the relay in the method's concurrency group)."""
         task = f"stage{i // self.tp}-tp{i % self.tp}.{method}"
-        group = METHOD_GROUPS.get(method) if self.grouped else None
+        group = METHOD_GROUPS.get(method) if self.controlled else None
         return getattr(self.actors[i], method).options(name=task,
                                                       concurrency_group=group).remote(*args)
 
@@ -244,8 +249,9 @@ class RayExecutor(CompiledGraphPath, RelayPath):
                 results[i] = ray.get(ready[0])  # each result fetched once, as it comes
             except Exception as exc:  # RayActorError (died), RayTaskError (raised)
                 raise self._failure(i, exc, what) from exc
-        if pending:
-            first = min(index[r] for r in pending)
+        if pending:  # the rank furthest behind (or silent) hangs; the others wait on it
+            late = sorted(index[r] for r in pending)
+            first = self._behind(late[0], late)
             raise WorkerFailed(f"{self._name(first)} did not finish {what} within {timeout_s:g} s "
                                f"(runtime.step_timeout_s / startup_timeout_s)")
         return results

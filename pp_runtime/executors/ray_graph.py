@@ -7,6 +7,7 @@ import time
 
 from pp_runtime.core.errors import CheckpointError, ConfigError, WorkerFailed
 
+PING_S = 5.0  # how long a diagnosis waits for an actor's answer to a ping or progress
 GRAPH_AUTO = "auto"  # runtime.compiled_graph: decided by `graph_on` from the cluster
 
 
@@ -73,7 +74,7 @@ class CompiledGraphPath:
                 out.append(self.ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
             except RayChannelTimeoutError:
                 self.dag_broken = True
-                raise WorkerFailed(f"{self._name(self._behind(i))} did not finish {what} within "
+                raise WorkerFailed(f"{self._name(self._behind(i, (i,)))} did not finish {what} within "
                                    f"{timeout_s:g} s (runtime.step_timeout_s)") from None
             except RayTaskError as exc:  # the rank's execute raised
                 self.dag_broken = True
@@ -86,16 +87,26 @@ class CompiledGraphPath:
                 raise self._graph_failure(exc, what) from exc
         return out
 
-    def _behind(self, first: int) -> int:
-        """The rank with the fewest micro-batches finished (the first such in rank order):
-        the one that hangs, where the others wait on it or ran ahead; `first` (the first
-        result that did not come) if the ranks do not answer."""
+    def _behind(self, first: int, pending=()) -> int:
+        """The rank that hangs, where the others wait on it or ran ahead: the first that
+        does not answer `progress` within PING_S (stopped, or holding its process), else
+        the one with the fewest micro-batches started plus finished (a `pending` one, whose
+        result is late, first among equals); `first` if no rank answers at all."""
         refs = [self._call(i, "progress") for i in range(len(self.actors))]
-        try:
-            done = self.ray.get(refs, timeout=5)
-        except Exception:
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=PING_S)
+        done = {}
+        for ref in ready:
+            try:
+                done[refs.index(ref)] = self.ray.get(ref)
+            except Exception:  # dead: as silent as a stopped one
+                pass
+        if not done:
             return first
-        return done.index(min(done))
+        silent = [i for i in range(len(refs)) if i not in done]
+        if silent:
+            return silent[0]
+        low = [i for i in range(len(refs)) if done[i] == min(done.values())]
+        return next((i for i in low if i in pending), low[0])
 
     def _graph_failure(self, exc: BaseException, what: str) -> WorkerFailed:
         """WorkerFailed naming the first rank that no longer answers (a dead actor breaks

@@ -24,10 +24,9 @@ from __future__ import annotations
 import time
 
 from pp_runtime.core.errors import WorkerFailed
-from pp_runtime.executors.ray_graph import first_line
+from pp_runtime.executors.ray_graph import PING_S, first_line
 
 STOP_S = 5.0  # how long a healthy shutdown waits for the follow loops to end
-PING_S = 5.0  # how long the diagnosis waits for an actor's answer to a ping
 IDLE_S = 365 * 86400.0  # a follower waits for its next plan as long as the deployment idles
 
 
@@ -101,8 +100,8 @@ class RelayPath:
         while len(results) < len(refs):
             ready, pending = self._wait(pending, deadline)
             if not ready:  # the step timeout: the rank furthest behind hangs
-                first = min(rank[r] for r in pending if r in rank)
-                raise self._hung(self._behind(first), timeout_s, what)
+                late = sorted(rank[r] for r in pending if r in rank)
+                raise self._hung(self._behind(late[0], late), timeout_s, what)
             ref = ready[0]
             i = rank[ref] if ref in rank else self.follows[ref]
             try:

@@ -81,6 +81,19 @@ def test_weights_that_fail_to_load_every_time_spend_the_budget_and_end_every_req
         llm.shutdown()
 
 
+def test_a_killed_stage_under_the_compiled_graph_is_replaced(reference):
+    """The compiled graph (torn down broken, compiled again on the new actors); before the
+    module's pipeline holds Ray's CPUs."""
+    with LLM("tiny", executor="ray", threads_per_worker=1, compiled_graph=True,
+             step_timeout_s=5.0, recovery_attempts=5, **SHAPE) as g:
+        assert g.executor.path == "graph"
+        got = g.generate(PROMPTS, GREEDY, on_microbatch=after(4, lambda: kill(g, 1)))
+        assert [o.token_ids for o in got] == reference
+        r = g.engine.recoveries
+        assert len(r) == 1 and r[0].stage == 1 and r[0].attempts == 1, r
+        assert g.executor.path == "graph" and g.executor.dag is not None
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2], ids=["first", "middle", "last"])
 def test_a_killed_stage_is_replaced_and_every_output_equals_a_fault_free_run(llm, reference, stage):
     before = len(llm.engine.recoveries)
@@ -94,14 +107,39 @@ def test_a_killed_stage_is_replaced_and_every_output_equals_a_fault_free_run(llm
     assert not set(llm.executor.actors) & set(old)  # every worker replaced
 
 
-def test_a_hung_stage_is_killed_after_the_step_timeout_and_replaced(llm, reference):
+def _stop(llm, stage: int):
+    """SIGSTOP the stage's process (a real hang: it answers nothing, not even a probe)."""
+    pid = ray.get(llm.executor.actors[stage].pid.remote(), timeout=30)
+    return lambda: os.kill(pid, signal.SIGSTOP)
+
+
+def test_the_diagnosis_names_a_stopped_rank_where_another_result_is_late(llm):
+    """Stage 0 stopped after it returned a micro-batch whose activations stage 1 has not
+    taken (a send in flight): stage 1's result is the late one, but stage 0 is the hang."""
+    pid = ray.get(llm.executor.actors[0].pid.remote(), timeout=30)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert llm.executor._behind(1, [1, 2]) == 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert llm.executor._behind(1, [1, 2]) == 1  # all answer, none ahead: the late one
+
+
+@pytest.mark.parametrize("how,stage", [("stall", 1), ("SIGSTOP", 0)])
+def test_a_hung_stage_is_named_killed_after_the_step_timeout_and_replaced(llm, reference, how,
+                                                                          stage):
+    """A stall (its next micro-batch sleeps) or a stopped process (killed from Ray while
+    stopped)."""
     before = len(llm.engine.recoveries)
-    stall = lambda: llm.executor.actors[1].sleep.remote(600)  # noqa: E731 (its next micro-batch)
+    if how == "stall":
+        fault = lambda: llm.executor.actors[stage].sleep.remote(600)  # noqa: E731
+    else:
+        fault = _stop(llm, stage)
     t0 = time.monotonic()
-    got = llm.generate(PROMPTS, GREEDY, on_microbatch=after(3, stall))
+    got = llm.generate(PROMPTS, GREEDY, on_microbatch=after(3, fault))
     assert [o.token_ids for o in got] == reference
     r = llm.engine.recoveries[before:]
-    assert len(r) == 1 and r[0].stage == 1 and "did not finish" in r[0].cause, r
+    assert len(r) == 1 and r[0].stage == stage and "did not finish" in r[0].cause, r
     assert time.monotonic() - t0 < 120  # not the 600 s stall
 
 
