@@ -81,10 +81,10 @@ def check_healed(r, out, reference):
     assert replay.done and replay.tokens == {i: o["token_ids"] for i, o in enumerate(got)}
 
 
-@pytest.mark.parametrize("pp", [2, 3])  # the last stage; the middle one
-def test_a_killed_rank_is_restarted_and_the_run_resumes(tmp_path, reference, pp):
-    r = agent(tmp_path, "rank=1,after_mb=8,mode=kill", pp=pp)
-    check_healed(r, tmp_path, reference(pp))
+def test_a_killed_rank_is_restarted_and_the_run_resumes(tmp_path, reference):
+    """The middle stage of three (the hang below: the last of two)."""
+    r = agent(tmp_path, "rank=1,after_mb=8,mode=kill", pp=3)
+    check_healed(r, tmp_path, reference(3))
     assert "exitcode: -9" in r.stderr or "exitcode  : -9" in r.stderr
 
 
