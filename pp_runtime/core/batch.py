@@ -81,7 +81,7 @@ class SampledTokens:
     timings: tuple["StageTiming", ...] = ()  # one per stage (and TP rank) that ran it
 
 
-@dataclass(frozen=True, slots=True)  # slots: a simulated run keeps ~10^6 of them
+@dataclass(slots=True)  # slots: a simulated run keeps ~10^6 of them
 class StageTiming:
     """What one stage did for one micro-batch; seconds on that worker's clock."""
 

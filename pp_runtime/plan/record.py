@@ -42,7 +42,7 @@ class ProbeRecorder(RunRecorder):
             acc = stages.get(t.stage)
             if acc is None:
                 acc = stages[t.stage] = StageAccumulator(t.stage)
-            acc.add(t, idle)
+            acc.take(t, idle)
         self._tokens(out)
 
 

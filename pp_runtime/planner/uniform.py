@@ -82,6 +82,7 @@ class UniformPlanner(BasePlanner):
         self.clock = PipelineClock(cost_model, self.pp)
         self.last_token_s: dict[int, float] = {}  # request id -> when its last token came
         self.returning: dict[int, int] = {}  # request id -> mb_id bringing its next token
+        self.carrying: dict[int, int] = {}  # mb_id -> requests in `returning` it brings
         self.urgent = 0  # prompt tokens this micro-batch needs for the queue's TTFT target
 
     # ---- admission ---------------------------------------------------------------------
@@ -96,12 +97,18 @@ class UniformPlanner(BasePlanner):
         waiting, running, kv = self.waiting, self.running, self.kv
         if not waiting or waiting[0].arrival_s > now:
             return
+        if running and self.kv_short(waiting[0]):  # what the loop below would find first
+            return
         owed, life, prompts, outputs = 0, 0.0, waiting[0].prompt_len, 0.0
-        for r in running:
-            end = self.expected_len(r)
-            owed += max(0, kv.blocks_for(int(end)) - len(r.blocks)) * RESERVE
-            life += (r.prompt_len + end) / 2
-            prompts, outputs = prompts + r.prompt_len, outputs + end - r.prompt_len
+        share, seq_len, bs = self.out_share, self.seq_len, kv.block_size
+        for r in running:  # expected_len(r), written out: this runs for every micro-batch
+            p = r.prompt_len
+            cap = min(r.params.max_tokens, seq_len - p)
+            made = len(r.output_token_ids)
+            end = p + (made if made >= share * cap else share * cap)
+            owed += max(0, -(-int(end) // bs) - len(r.blocks)) * RESERVE
+            life += (p + end) / 2
+            prompts, outputs = prompts + p, outputs + end - p
         outputs += self.expected_len(waiting[0]) - waiting[0].prompt_len
         free = kv.pool.num_free - int(owed)
         kv_len = life / len(running) if running else waiting[0].prompt_len + 1
@@ -117,6 +124,15 @@ class UniformPlanner(BasePlanner):
                 return
             free -= need + growth
             running.append(waiting.popleft())
+
+    def kv_short(self, req: Request) -> bool:
+        """Whether the pool lacks the blocks admission asks of `req` beside running
+        requests (its prompt's and a share of its growth) even before the running
+        requests' owed growth is set aside: then nothing is admitted now."""
+        kv = self.kv
+        need = kv.need(req)
+        final = kv.blocks_for(int(self.expected_len(req))) if kv.paged else need
+        return need + (final - need) * RESERVE > kv.pool.num_free - kv.watermark
 
     def row_cap(self, now: float, kv: int, mix: float) -> float:
         """Requests that may run at once under the time budget: depth x the largest d such
@@ -183,7 +199,7 @@ class UniformPlanner(BasePlanner):
             return INF
         last, done = self.last_token_s, self.clock.done
         first = min((last.get(rid, now) for rid in decodes), default=INF)
-        for mb_id in self.returning.values():  # tokens on their way: due again after return
+        for mb_id in self.carrying:  # tokens on their way: due again after return
             t = done.get(mb_id, now)
             first = t if t < first else first
         return first + b.tbt_slo_s * MARGIN  # inf: no token is due
@@ -243,10 +259,10 @@ class UniformPlanner(BasePlanner):
         if bound == INF or hi <= 0:
             return max(hi, 0)
         clock, scale = self.clock, self.budget.residual
-        base = clock.completion(now, clock.times(chunks, kv, scale), tokens)[-1]
+        base = clock.end(now, chunks, kv, scale, tokens)
         fits = lambda share: b.largest(  # noqa: E731
-            lambda n: clock.completion(now, clock.times([*chunks, (start, n)], kv, scale),
-                                       tokens + n)[-1] <= base + max(0.0, bound - base) * share, hi)
+            lambda n: clock.end(now, [*chunks, (start, n)], kv, scale, tokens + n)
+            <= base + max(0.0, bound - base) * share, hi)
         n, need = fits(SLACK_SHARE), self.urgent - sum(c for _, c in chunks)
         if n < min(hi, need):  # a share of the round's slack; the queue's TTFT needs more:
             n = min(fits(1.0), need)  # up to all of it
@@ -265,18 +281,34 @@ class UniformPlanner(BasePlanner):
             if self.budget.tbt_slo_s is not None:
                 for s in mb.seqs:
                     if s.sampling is not None:
-                        self.returning[s.request_id] = mb.mb_id
+                        self.bring(s.request_id, mb.mb_id)
         return mb
+
+    def bring(self, rid: int, mb_id: int) -> None:
+        """Request `rid`'s next token is on its way in micro-batch `mb_id`."""
+        self.brought(rid)
+        self.returning[rid] = mb_id
+        self.carrying[mb_id] = self.carrying.get(mb_id, 0) + 1
+
+    def brought(self, rid: int) -> None:
+        """Request `rid`'s token came back (or none was on its way)."""
+        mb_id = self.returning.pop(rid, None)
+        if mb_id is not None:
+            left = self.carrying[mb_id] - 1
+            if left:
+                self.carrying[mb_id] = left
+            else:
+                del self.carrying[mb_id]
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         predicted = self.predicted.pop(mb.mb_id, 0.0)
         self.clock.returned(mb.mb_id, now)
         if out.timings:  # the stage that took longest
             self.budget.observe(predicted, max(t.compute_s for t in out.timings))
-        last, returning = self.last_token_s, self.returning
+        last, drop = self.last_token_s, self.brought
         for rid in out.tokens:
             last[rid] = now
-            returning.pop(rid, None)
+            drop(rid)
         finished = super().on_result(mb, out, now)
         for r in finished:
             last.pop(r.request_id, None)
