@@ -41,7 +41,7 @@ def describe_microbatch(mb, out) -> str:
 # arrive at Poisson times at 70 % of the pipeline's capacity on the 2-core machine (the rate
 # at which its busiest stage would never rest, as benchmarks/steady_state.py measures it:
 # `run --qps 0 --requests 16`), so its bubble is read over the steady window apart from the
-# warm-up and the tail (docs/bubbles.md, docs/steady_state.md)
+# warm-up and the tail (docs/bubbles.md, docs/measurements/steady_state.md)
 MAIN_JOB_REQUESTS = 20
 MAIN_JOB_QPS = 1.6  # 16 requests at once: stage 1 busy 6.91 s -> 2.32 req/s; 70 % of it
 
