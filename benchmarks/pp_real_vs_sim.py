@@ -31,6 +31,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on 127.0.0.1
 
 from pp_runtime.config import load_config  # noqa: E402
+from pp_runtime.costmodel.balance import resolve_layer_split  # noqa: E402
 from pp_runtime.profile.measure import measure_profile  # noqa: E402
 from pp_runtime.engine.llm import run_workload  # noqa: E402
 from pp_runtime.engine.simulate import simulate  # noqa: E402
@@ -140,7 +141,7 @@ def main() -> None:
         c = cfg.with_overrides(planner=planner, **{"hardware.profile": str(profile)}, **(
             {} if split == "default" else {"layer_split": split if split in ("even", "auto")
                                            else [int(k) for k in split.split("/")]}))
-        c = c.with_layer_split_resolved()  # chosen once: the real and simulated runs share it
+        c = resolve_layer_split(c)  # chosen once: the real and simulated runs share it
         tag = f"{planner}-{split.replace('/', '_')}"
         print(f"{name}: layer_split {'|'.join(map(str, c.layers_per_stage()))}", flush=True)
         real = write_report(run_workload(c), out / f"real-{tag}")["summary"]

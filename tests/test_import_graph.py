@@ -1,34 +1,46 @@
-"""The package's import graph (docs/architecture.md): no cycle, and the layers point one way.
+"""The package's import graph (docs/architecture.md): the layers, bottom to top, and the
+two rules that keep them: no import cycle among modules, and no arrow from a package to
+one in its own or a higher layer.
 
-Every `import` of a `pp_runtime` module counts, at module level or inside a function (a
-deferred import is still a dependency), except those under `if TYPE_CHECKING:`. Importing
-`a.b.c` also imports the packages `a` and `a.b`, so those count too.
+Every `import` of a `pp_runtime` module counts: at module level, inside a function (a
+deferred import is still a dependency) and under `if TYPE_CHECKING:` (a type-only import
+still says the lower module knows the upper one). Importing `a.b.c` also imports the
+packages `a` and `a.b`, so those count too.
 """
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).resolve().parents[1] / "pp_runtime"
 
+# Bottom to top; a package imports only packages of lower layers (and itself). Packages of
+# one layer do not import each other.
+LAYERS = (
+    ("core",),  # requests, micro-batches, the driver loop, errors: plain data, no torch
+    ("config",),  # the Config dataclasses, their checks and loading
+    ("costmodel",),  # prices (no torch): stage times, memory, the balanced layer split
+    ("planner", "telemetry"),  # what each micro-batch holds; the bubble rule, the timer
+    ("parallel",),  # process groups, TP layers, stage-to-stage sends
+    ("model",),  # the transformer, attention, KV cache, checkpoint loading
+    ("worker",),  # one stage shard
+    ("executors",),  # local, Ray, torchrun, sim
+    ("engine",),  # the Engine, LLM, simulate: where the planner meets an executor
+    ("profile", "serve", "bench"),  # the profiler and calibrator; the server; its load
+    ("plan",),  # the deployment search
+    ("cli",),  # one module per command
+)
+LAYER = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+
+def module_name(path: Path, pkg: Path = PKG) -> str:
+    parts = list(path.relative_to(pkg.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:
-    tree = ast.parse(path.read_text())
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {id(n) for n in ast.walk(node)}
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
                 and node.module.split(".")[0] == "pp_runtime":
             for alias in node.names:  # `from pkg import module` imports the module
@@ -43,14 +55,34 @@ def imports(path: Path, modules: set[str]) -> set[str]:
     return {m for m in with_parents if m in modules}
 
 
-def import_graph() -> dict[str, set[str]]:
-    paths = {module_name(p): p for p in PKG.rglob("*.py")}
+def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    paths = {module_name(p, pkg): p for p in pkg.rglob("*.py")}
     graph = {}
     for name, path in paths.items():
         # a module's own packages are imported before it: not an edge of its own
         graph[name] = {m for m in imports(path, set(paths))
                        if m != name and not name.startswith(m + ".")}
     return graph
+
+
+def package(module: str) -> str | None:
+    """`pp_runtime.a.b` -> "a"; None for the top-level facade `pp_runtime`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def upward_arrows(graph: dict[str, set[str]], layer: dict[str, int] = LAYER) -> list[str]:
+    """Every import of a package in the importer's own layer or above, as "a.m -> b.n"."""
+    bad = []
+    for m, deps in sorted(graph.items()):
+        src = package(m)
+        for d in sorted(deps):
+            dst = package(d)
+            if src is None or dst is None or src == dst:
+                continue  # the facade sits above everything; a package may import itself
+            if layer[dst] >= layer[src]:
+                bad.append(f"{m} -> {d}")
+    return bad
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -99,27 +131,34 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_the_layer_check_finds_an_upward_and_a_sideways_arrow():
+    graph = {"pp_runtime.core.batch": {"pp_runtime.config.sections"},  # up
+             "pp_runtime.planner.base": {"pp_runtime.telemetry.bubbles"},  # same layer
+             "pp_runtime.planner.uniform": {"pp_runtime.costmodel", "pp_runtime.planner.base"}}
+    assert upward_arrows(graph) == ["pp_runtime.core.batch -> pp_runtime.config.sections",
+                                    "pp_runtime.planner.base -> pp_runtime.telemetry.bubbles"]
+
+
+def test_type_only_imports_count(tmp_path):
+    (tmp_path / "pp_runtime" / "low").mkdir(parents=True)
+    (tmp_path / "pp_runtime" / "low" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pp_runtime.high import b\n")
+    (tmp_path / "pp_runtime" / "high.py").write_text("")
+    assert import_graph(tmp_path / "pp_runtime")["pp_runtime.low.a"] == {"pp_runtime.high"}
+
+
+def test_every_package_has_a_layer():
+    packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(LAYER), f"place these in LAYERS: {sorted(packages - set(LAYER))}; " \
+        f"gone: {sorted(set(LAYER) - packages)}"
+
+
 def test_no_import_cycle():
     found = cycles(import_graph())
     assert not found, "import cycles (break them: a layer may only import the ones below it):\n" \
         + "\n".join(" <-> ".join(c) for c in found)
 
 
-@pytest.mark.parametrize("layer, may_import", [
-    ("pp_runtime.core", ("pp_runtime.core",)),  # the data path: imports nothing above it
-    ("pp_runtime.config", ("pp_runtime.core", "pp_runtime.config", "pp_runtime.costmodel")),
-    ("pp_runtime.planner", ("pp_runtime.core", "pp_runtime.config", "pp_runtime.costmodel",
-                            "pp_runtime.planner")),  # prices micro-batches with the cost model
-])
-def test_lower_layers_do_not_import_upper_ones(layer, may_import):
-    graph = import_graph()
-    bad = {(m, d) for m, deps in graph.items() if m == layer or m.startswith(layer + ".")
-           for d in deps if d != "pp_runtime" and not d.startswith(may_import)}
-    assert not bad, f"{layer} imports above its layer: {sorted(bad)}"
-
-
-def test_only_the_command_line_imports_it():
-    graph = import_graph()
-    bad = {(m, d) for m, deps in graph.items() if not m.startswith("pp_runtime.cli")
-           for d in deps if d.startswith("pp_runtime.cli")}
-    assert not bad, f"the command line is the top layer; imported by {sorted(bad)}"
+def test_no_package_imports_its_own_layer_or_above():
+    bad = upward_arrows(import_graph())
+    assert not bad, "imports that point up or sideways (LAYERS):\n" + "\n".join(bad)

@@ -96,9 +96,11 @@ def sim_probe(cfg: Config, tbt_slo: float, ttft_slo: float | None,
     the TTFT SLO bounds the median (Sarathi-Serve's scheduling delay) or, with ttft_key
     "p99", the p99 (the goodput benchmark's). The probe's `ttft_p50_s` holds that one."""
     from pp_runtime.costmodel import build_cost_model
+    from pp_runtime.costmodel.balance import resolve_layer_split
     from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import build_report
 
+    cfg = resolve_layer_split(cfg)  # one split for every rate probed
     cost = build_cost_model(cfg)
 
     def probe(qps: float) -> Probe:

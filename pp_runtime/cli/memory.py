@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pp_runtime.cli.common import add_config_args, config_from_args, positive_float
 from pp_runtime.core.workload import generate as generate_workload
+from pp_runtime.costmodel.balance import resolve_layer_split
 from pp_runtime.costmodel.memory import kv_capacity, memory_plan
 
 
@@ -16,7 +17,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_memory(args) -> int:
-    cfg = config_from_args(args)
+    cfg = resolve_layer_split(config_from_args(args))  # the split the stages would hold
     gb = args.device_memory_gb if args.device_memory_gb is not None else cfg.cache.device_memory_gb
     print(f"{cfg.model.name}: tp={cfg.parallel.tp} pp={cfg.parallel.pp}, "
           f"utilization {cfg.cache.memory_utilization}")

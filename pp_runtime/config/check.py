@@ -9,15 +9,12 @@ from __future__ import annotations
 import typing
 from dataclasses import fields
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from pp_runtime.core.dtypes import AUTO_DTYPE, DTYPES
 from pp_runtime.core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from pp_runtime.config.sections import CacheConfig, Config, ParallelConfig
 
 FAMILIES = ("gpt", "llama")
 ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3")  # model/rope.py
@@ -67,7 +64,7 @@ def _check_types(section: str, obj: Any) -> None:
             _check(False, f"{section}.{name}", f"got {value!r}", f"expected {annotation}")
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg) -> None:  # a sections.Config (not imported: the sections import this)
     """Raise ConfigError for any configuration that cannot work: the field types (pydantic),
     then each section's ranges, in the order a reader meets them."""
     for section in fields(cfg):
@@ -219,7 +216,7 @@ def _check_runtime(rt, p) -> None:
            f"must be > 0, got {rt.recovery_window_s}", "use e.g. 60 seconds")
 
 
-def _check_cache(c: CacheConfig, seq_len: int) -> None:
+def _check_cache(c, seq_len: int) -> None:  # c: CacheConfig
     bs = c.block_size
     _check(bs >= 1 and bs & (bs - 1) == 0 and bs <= seq_len, "cache.block_size",
            f"{bs} is not a power of two in [1, max_seq_len={seq_len}]", "use e.g. 16")
@@ -241,7 +238,7 @@ def _check_cache(c: CacheConfig, seq_len: int) -> None:
            f"must be >= 1, got {c.max_running}", "leave it unset for what the blocks hold")
 
 
-def _check_layer_split(num_layers: int, p: ParallelConfig) -> None:
+def _check_layer_split(num_layers: int, p) -> None:  # p: ParallelConfig
     split, where = p.layer_split, "parallel.layer_split"
     fix = (f"give {p.pp} counts (one per stage, each >= 1) summing to model.num_layers = "
            f"{num_layers}, e.g. {even_split(num_layers, p.pp)}, or use auto (balanced by the "

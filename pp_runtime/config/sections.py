@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pp_runtime.config.check import LAYER_SPLIT_AUTO, LAYER_SPLIT_EVEN, even_split, validate
+from pp_runtime.config.check import LAYER_SPLIT_AUTO, even_split, validate
 from pp_runtime.core.dtypes import AUTO_DTYPE, DTYPES
 from pp_runtime.core.errors import ConfigError
 from pp_runtime.core.workload import WorkloadConfig
@@ -135,7 +135,8 @@ class ParallelConfig:
     #   per stage, each >= 1, summing to num_layers), "auto" (stage times equalised by the
     #   cost model: stage 0 also embeds, the last stage runs the LM head), "even" (earlier
     #   stages take the remainder) or None: auto with a hardware.profile, else even.
-    #   `Config.layers_per_stage` reads it.
+    #   `Config.layers_per_stage` reads it; auto is chosen where a run or a simulation is
+    #   built (`costmodel.balance.resolve_layer_split`), and refused here until then.
 
 
 @dataclass(frozen=True)
@@ -302,19 +303,27 @@ class Config:
         return self.planner.chunk_size or DEFAULT_CHUNK
 
     # ---- pipeline stages -----------------------------------------------------------
+    @property
+    def layer_split_pending(self) -> bool:
+        """Whether `parallel.layer_split` is auto and not chosen yet (None counts as auto
+        where a profile exists): the cost model chooses it, `costmodel.balance`."""
+        split = self.parallel.layer_split
+        return self.parallel.pp > 1 and (
+            split == LAYER_SPLIT_AUTO or (split is None and bool(self.hardware.profile)))
+
     def layers_per_stage(self) -> list[int]:
         """Decoder layers of each stage: `parallel.layer_split` resolved. The only reader
         of that field: workers (and so the checkpoint loader), the memory check and the
-        cost model all cut the model here. "auto" prices the workload's micro-batches with
-        the cost model (the one import pointing up, deferred; cached per process)."""
+        cost model all cut the model here. An auto split not chosen yet is refused: the
+        boundary that builds a run or a simulation chooses it first
+        (`costmodel.balance.resolve_layer_split`), so every reader sees one split."""
         split, m, pp = self.parallel.layer_split, self.model, self.parallel.pp
-        if split == LAYER_SPLIT_EVEN or (split is None and not self.hardware.profile) or pp == 1:
-            return even_split(m.num_layers, pp)
-        if split is None or split == LAYER_SPLIT_AUTO:  # None: auto where a profile exists
-            from pp_runtime.costmodel.balance import auto_layer_split
-
-            return auto_layer_split(self)
-        return list(split)
+        if self.layer_split_pending:
+            raise ConfigError("parallel.layer_split: auto is not chosen yet; resolve it where "
+                              "the run is built (costmodel.balance.resolve_layer_split(cfg))")
+        if isinstance(split, (list, tuple)) and pp > 1:
+            return list(split)
+        return even_split(m.num_layers, pp)
 
     def stage_layers(self, stage: int) -> tuple[int, int]:
         """Layers [lo, hi) of a pipeline stage."""
@@ -323,8 +332,8 @@ class Config:
         return lo, lo + counts[stage]
 
     def with_layer_split_resolved(self) -> "Config":
-        """A copy whose layer_split is the explicit list ("auto" chosen here, once: what
-        an executor hands its workers, so every process cuts the model the same way)."""
+        """A copy whose layer_split is the explicit list (what an executor hands its
+        workers, so every process cuts the model the same way); auto must be chosen first."""
         if isinstance(self.parallel.layer_split, (list, tuple)):
             return self
         return self.with_overrides(layer_split=self.layers_per_stage())

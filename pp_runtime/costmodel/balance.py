@@ -29,7 +29,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-if TYPE_CHECKING:  # the config consults this module for `auto`: no import back at run time
+if TYPE_CHECKING:
     from pp_runtime.config import Config
 
 _CHOSEN: dict[tuple, list[int]] = {}  # auto splits chosen in this process, by what prices them
@@ -98,6 +98,16 @@ def profile_stamp(profile: str | None) -> tuple:
     path = Path(profile).expanduser()
     return tuple(f.stat().st_mtime_ns if f.is_file() else 0
                  for f in (path / "mlp.csv", path / "attention.csv", path / "calibration.json"))
+
+
+def resolve_layer_split(cfg: Config) -> Config:
+    """`cfg` with an auto layer split chosen (`auto_layer_split`), once, where a run or a
+    simulation is built (`LLM`, `simulate`, a torchrun rank, the plan's candidates, the
+    calibrator); any other split is returned as it is. `Config` refuses an auto split
+    that was not chosen (`Config.layers_per_stage`)."""
+    if not cfg.layer_split_pending:
+        return cfg
+    return cfg.with_overrides(layer_split=auto_layer_split(cfg))
 
 
 def auto_layer_split(cfg: Config) -> list[int]:

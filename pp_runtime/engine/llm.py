@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 from pp_runtime.core import driver
 from pp_runtime.model.checkpoint_fields import check_math_fields
 from pp_runtime.config import Config, load_config
+from pp_runtime.costmodel.balance import resolve_layer_split
 from pp_runtime.executors import make_executor
 from pp_runtime.model.hf_config import model_config_from_hf, read_hf_config
 from pp_runtime.engine.online import Engine
@@ -33,7 +34,8 @@ class LLM:
             config = Config()
         elif not isinstance(config, Config):
             config = load_config(config)
-        self.config = config.with_overrides(**overrides) if overrides else config.validate()
+        config = config.with_overrides(**overrides) if overrides else config.validate()
+        self.config = resolve_layer_split(config)  # auto chosen once, for every stage
         self.checkpoint = checkpoint
         if checkpoint is not None:  # a field that changes the math and is not implemented
             check_math_fields(read_hf_config(checkpoint), f"{checkpoint}/config.json")
@@ -206,7 +208,7 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
     llm = LLM(cfg, checkpoint=checkpoint, executor=executor)
     name, device, t0 = llm.executor.name, str(llm.executor.device), time.perf_counter()
     ran = getattr(llm.executor, "layer_split", None)  # what the workers hold (Ray reports it)
-    cfg = cfg.with_overrides(layer_split=list(ran)) if ran else cfg.with_layer_split_resolved()
+    cfg = cfg.with_overrides(layer_split=list(ran)) if ran else llm.config.with_layer_split_resolved()
     try:
         outputs = llm.generate(prompts, params, record, [s.arrival_s for s in specs],
                                generated)

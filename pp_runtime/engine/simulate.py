@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from pp_runtime.core import driver
 from pp_runtime.costmodel import memory
+from pp_runtime.costmodel.balance import resolve_layer_split
 from pp_runtime.config import Config, ConfigError
 from pp_runtime.costmodel.devices import device_spec
 from pp_runtime.executors.sim import SimExecutor, StageCost, VirtualClock
@@ -45,6 +46,7 @@ def check_fits(cfg: Config, specs: list[RequestSpec]) -> None:
 def check_memory(cfg: Config) -> None:
     """ConfigError unless every stage's weights and KV fit on one simulated GPU:
     cache.device_memory_gb if set, else hardware.gpu's memory, times memory_utilization."""
+    cfg = resolve_layer_split(cfg)
     gb = cfg.cache.device_memory_gb or device_spec(cfg.hardware.gpu).mem_gb
     util = cfg.cache.memory_utilization
     memory.check_fits(cfg, gb * memory.GB * util, cfg.model.dtype_bytes,
@@ -84,6 +86,7 @@ def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True,
     (`pp-runtime plan` keeps only what a probe reports). Ctrl-C
     (or SIGTERM under `interrupt.handled()`) re-raises with the partial result attached
     (`exc.result`): every request not finished by then ends with finish reason error."""
+    cfg = resolve_layer_split(cfg)  # auto chosen once, before anything is priced
     check_memory(cfg)
     if cost is None:
         from pp_runtime.costmodel import build_cost_model

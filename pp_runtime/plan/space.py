@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, replace
 
 from pp_runtime.costmodel import memory
+from pp_runtime.costmodel.balance import resolve_layer_split
 from pp_runtime.config import Config, ConfigError, even_split
 
 MAX_B = 128  # sequences per micro-batch at most (a bigger B only lengthens the decode tail)
@@ -161,7 +162,7 @@ def resolve_split(cfg: Config) -> Config:
         plain = cfg.with_overrides(**{"planner.in_flight": None, "planner.tbt_slo_ms": None,
                                       "planner.ttft_slo_ms": None, "planner.chunk_size": None,
                                       "planner.max_batch_size": None})
-        _SPLITS[key] = plain.layers_per_stage()
+        _SPLITS[key] = resolve_layer_split(plain).layers_per_stage()
     return cfg.with_overrides(**{"parallel.layer_split": list(_SPLITS[key])})
 
 

@@ -34,6 +34,7 @@ from pp_runtime.core.batch import MicroBatch, SampledTokens, StageTiming
 from pp_runtime.config import Config
 from pp_runtime.costmodel import calibration
 from pp_runtime.costmodel.attention import lstsq_dropping_negatives
+from pp_runtime.costmodel.balance import resolve_layer_split
 from pp_runtime.costmodel.calibration import Calibration, ComputeFit, HostCost
 
 WARM_UP = 2  # micro-batches per stage left out of the compute fit (first calls are slow)
@@ -158,7 +159,7 @@ def calibrate(cfg: Config, profile: str | Path, requests: int = 10, executor=Non
     micro-batches to the compute fit (the host costs come from the first run)."""
     cfg = cfg.with_overrides(**{"hardware.profile": str(profile), "workload.num_requests": requests,
                                 "workload.qps": None})
-    cfg = cfg.with_layer_split_resolved()
+    cfg = resolve_layer_split(cfg).with_layer_split_resolved()
     timed, mbs, timings = _run(cfg, executor)
     fit, points, rms = fit_compute(cfg, mbs, timings)
     if whole_prompts and executor is None and requests >= 2 and cfg.planner.planner != WHOLE_PROMPTS:

@@ -18,8 +18,8 @@ def test_auto_split_by_default_equals_transformers(hf_checkpoint, tmp_path, pp):
                               tmp_path / "profile", quick=True, progress=False)
     llm = LLM.from_pretrained(path, pp=pp, executor="local", chunk_size=8, max_batch_size=3,
                               **{"hardware.profile": str(profile)})
-    assert llm.config.parallel.layer_split is None  # the default, resolved by the profile
-    split = llm.config.layers_per_stage()
+    split = llm.config.parallel.layer_split  # unset: auto, chosen once as the LLM was built
+    assert isinstance(split, list) and llm.config.layers_per_stage() == split
     assert sum(split) == model.config.num_hidden_layers and len(split) == pp
     assert [w.hi - w.lo for w in llm.executor.workers] == split  # what the stages hold
     prompts = make_prompts(model.config.vocab_size)

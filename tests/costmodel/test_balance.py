@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pp_runtime.config import Config, even_split, load_config
+from pp_runtime.config import Config, ConfigError, even_split, load_config
 from pp_runtime.costmodel import balance
 from pp_runtime.costmodel.balance import balanced_split, typical_microbatches
 
@@ -54,14 +54,33 @@ def test_auto_on_a_made_up_cost_model_is_worked_out_by_hand(monkeypatch):
     built = []
     monkeypatch.setattr(balance, "_CHOSEN", {})
     monkeypatch.setattr(model, "build_cost_model", lambda cfg: built.append(cfg) or MadeUpCost())
-    cfg = Config().with_overrides(num_layers=12, pp=2, layer_split="auto")
-    assert cfg.layers_per_stage() == [7, 5]
+    cfg = balance.resolve_layer_split(Config().with_overrides(num_layers=12, pp=2,
+                                                              layer_split="auto"))
+    assert cfg.parallel.layer_split == [7, 5] and cfg.layers_per_stage() == [7, 5]
     assert [cfg.stage_layers(s) for s in (0, 1)] == [(0, 7), (7, 12)]
-    assert cfg.with_layer_split_resolved().parallel.layer_split == [7, 5]
     assert len(built) == 1 and built[0].parallel.layer_split == "even"  # priced on an even cut
     # pp = 3: slowest 5 at best (14 layer-times); [5, 5, 2], [5, 4, 3], [4, 5, 3] tie on
     # every measure, and earlier stages keep more
-    assert cfg.with_overrides(pp=3).layers_per_stage() == [5, 5, 2]
+    three = Config().with_overrides(num_layers=12, pp=3, layer_split="auto")
+    assert balance.resolve_layer_split(three).layers_per_stage() == [5, 5, 2]
+
+
+def test_an_auto_split_not_chosen_is_refused_and_chosen_once_at_the_boundary(monkeypatch):
+    """Config does not price: it refuses to cut an auto split nobody chose. The boundary
+    (`resolve_layer_split`: LLM, simulate, a torchrun rank, the plan, the calibrator)
+    chooses it once; a split given as a list or "even" passes through as it is."""
+    from pp_runtime.costmodel import model
+
+    monkeypatch.setattr(balance, "_CHOSEN", {})
+    monkeypatch.setattr(model, "build_cost_model", lambda cfg: MadeUpCost())
+    cfg = Config().with_overrides(num_layers=12, pp=2, layer_split="auto")
+    with pytest.raises(ConfigError, match="parallel.layer_split: auto is not chosen yet"):
+        cfg.layers_per_stage()
+    with pytest.raises(ConfigError, match="auto is not chosen yet"):
+        cfg.with_layer_split_resolved()
+    for given in ("even", [5, 7]):
+        same = cfg.with_overrides(layer_split=given)
+        assert balance.resolve_layer_split(same) is same
 
 
 def test_the_mix_is_one_full_microbatch_plus_the_decodes_left_over_per_chunk():
@@ -86,7 +105,7 @@ def test_simulated_stages_are_busy_alike_with_auto():
         cfg = load_config("cpu/gpt2_pp2", layer_split=split, **{"workload.num_requests": 32})
         busy = [st["busy_s"] for st in build_report(simulate(cfg, progress=False))
                 ["summary"]["per_stage"]]
-        return max(busy) / min(busy), cfg.layers_per_stage()
+        return max(busy) / min(busy), balance.resolve_layer_split(cfg).layers_per_stage()
 
     (even, even_cut), (auto, auto_cut) = busy_ratio(None), busy_ratio("auto")
     assert even_cut == [6, 6] and auto_cut == [8, 4]

@@ -95,8 +95,8 @@ def test_the_split_is_balanced_by_default_where_a_profile_exists(monkeypatch, tm
     base = Config().with_overrides(num_layers=12, pp=2)
     assert base.layers_per_stage() == [6, 6]  # no profile: even
     profiled = base.with_overrides(**{"hardware.profile": str(tmp_path)})
-    assert profiled.parallel.layer_split is None and profiled.layers_per_stage() == [7, 5]
-    assert profiled.with_layer_split_resolved().parallel.layer_split == [7, 5]
+    assert profiled.parallel.layer_split is None and profiled.layer_split_pending
+    assert balance.resolve_layer_split(profiled).parallel.layer_split == [7, 5]
     assert profiled.with_overrides(layer_split="even").layers_per_stage() == [6, 6]
     assert profiled.with_overrides(layer_split=[5, 7]).layers_per_stage() == [5, 7]  # honoured
 
