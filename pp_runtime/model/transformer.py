@@ -42,11 +42,20 @@ from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.parallel.layers import Parallel, Unsharded, shard_of
 
 
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm (`F.rms_norm` in fp32), the weight applied after the cast back to
+    the input dtype, as transformers' LlamaRMSNorm does: bit-equal to it in fp32, bf16 and
+    fp16 (`nn.RMSNorm` alone scales before the cast, and in bf16 its greedy tokens part
+    from transformers' sooner: tests/model/test_norm.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)  # [..., dim] fp32
+        return self.weight * normed.to(x.dtype)
+
+
 def make_norm(m: ModelConfig) -> nn.Module:
-    # torch's RMSNorm: equal to transformers' in fp32; in bf16 / fp16 it scales by the weight
-    # before the one cast to the input dtype (transformers casts, then scales: two roundings)
     if m.family == "llama":
-        return nn.RMSNorm(m.hidden_size, eps=m.norm_eps)
+        return RMSNorm(m.hidden_size, eps=m.norm_eps)
     return nn.LayerNorm(m.hidden_size, eps=m.norm_eps)
 
 
@@ -110,7 +119,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = make_norm(m)
         # rank r's rows are [q_r; k_r; v_r]: its query heads and its KV-cache heads line up
         self.qkv = par.column(h, q + 2 * kv, m.use_qkv_bias, parts=(q, kv, kv))
-        qk_norm = (lambda: nn.RMSNorm(m.head_dim, eps=m.norm_eps)) if m.qk_norm else nn.Identity
+        qk_norm = (lambda: RMSNorm(m.head_dim, eps=m.norm_eps)) if m.qk_norm else nn.Identity
         self.q_norm, self.k_norm = qk_norm(), qk_norm()  # per head, whole on every rank
         self.rotary = Rotary(Rope.of(m)) if llama else NoRotary()
         self.out = par.row(q, h, m.use_bias)
