@@ -7,7 +7,8 @@ import time
 
 from pp_runtime.core.errors import CheckpointError, ConfigError, WorkerFailed
 
-PING_S = 5.0  # how long a diagnosis waits for an actor's answer to a ping or progress
+PING_S = 5.0  # how long a diagnosis waits for an actor's answer to a ping
+PROGRESS_S = 1.0  # ... to `progress`, answered from the control group in milliseconds
 GRAPH_AUTO = "auto"  # runtime.compiled_graph: decided by `graph_on` from the cluster
 
 
@@ -89,11 +90,11 @@ class CompiledGraphPath:
 
     def _behind(self, first: int, pending=()) -> int:
         """The rank that hangs, where the others wait on it or ran ahead: the first that
-        does not answer `progress` within PING_S (stopped, or holding its process), else
+        does not answer `progress` within PROGRESS_S (stopped, or holding its process), else
         the one with the fewest micro-batches started plus finished (a `pending` one, whose
         result is late, first among equals); `first` if no rank answers at all."""
         refs = [self._call(i, "progress") for i in range(len(self.actors))]
-        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=PING_S)
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=PROGRESS_S)
         done = {}
         for ref in ready:
             try:
