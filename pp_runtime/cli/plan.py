@@ -194,13 +194,25 @@ def calibrate_layouts(args, base, items, outs, planners, chunks, lengths, slo):
     on this machine (--gpu cpu, --calibrate N); the candidates priced again if one was."""
     from pp_runtime.plan import calibrated, space
 
+    from pp_runtime.plan import shared
+    from pp_runtime.plan.search import Workload
+
     firsts: dict = {}
     for cand, cfg in items:
         firsts.setdefault(cand.layout, cfg)
-    if not calibrated.ensure(list(firsts.values()), args.profile, args.calibrate, args.gpu == "cpu"):
-        return items, outs
-    space.forget()
-    return space.candidates(base, args.gpus, planners, chunks, lengths, (slo.tbt_s, slo.ttft_s))
+    again = calibrated.ensure(list(firsts.values()), args.profile, args.calibrate, args.gpu == "cpu")
+    if again:
+        space.forget()
+        items, outs = space.candidates(base, args.gpus, planners, chunks, lengths, (slo.tbt_s, slo.ttft_s))
+    served: dict = {}  # layout -> (SLO-driven?, the config its replicas serve)
+    for cand, cfg in items:
+        if cand.layout not in served or (cand.slo_ms and not served[cand.layout][0]):
+            served[cand.layout] = (cand.slo_ms is not None, cfg)
+    wl = Workload.of(_pairs(base.workload))
+    if shared.ensure({lay: cfg for lay, (_, cfg) in served.items()}, wl, args.calibrate,
+                     args.gpu == "cpu", Path(args.out)):
+        space.forget()
+    return items, outs
 
 
 def finish(args, base, configs, results, outs, slo, lengths, elapsed) -> int:

@@ -13,7 +13,11 @@ measured on that machine, which the line says.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pp_runtime.config import Config
+from pp_runtime.costmodel import calibration
+from pp_runtime.costmodel.calibration import Calibration
 
 
 def entry_name(cfg: Config) -> str:
@@ -66,3 +70,29 @@ def describe(cal) -> str:
     from pp_runtime.costmodel.calibration import describe as said
 
     return said(cal)
+
+
+def shared_name(cfg: Config, replicas: int) -> str:
+    """The entry of `replicas` replicas of cfg's layout served side by side: `local/pp1/x2`."""
+    p = cfg.parallel
+    kind = calibration.executor_kind(cfg.runtime.executor, p.tp, p.pp)
+    return calibration.key(kind, p.pp, f"x{replicas}", p.tp)
+
+
+def shared(cfg: Config, replicas: int) -> Calibration | None:
+    """The calibration of `replicas` replicas of cfg's layout served side by side
+    (`plan/shared.py` measures it), or None (one replica, no profile, a GPU, or never
+    measured: priced as one replica alone)."""
+    if replicas <= 1 or cfg.hardware.gpu != "cpu" or not cfg.hardware.profile:
+        return None
+    p = cfg.parallel
+    kind = calibration.executor_kind(cfg.runtime.executor, p.tp, p.pp)
+    return calibration.load(cfg.hardware.profile, kind, p.pp, f"x{replicas}", p.tp)
+
+
+def scaled(cal: Calibration, factor: float, replicas: int) -> Calibration:
+    """`cal` with its compute `factor` x slower, as the entry of `replicas` side by side."""
+    c = cal.compute
+    compute = replace(c, scale=c.scale * factor, per_layer_s=c.per_layer_s * factor,
+                      per_row_s=c.per_row_s * factor)
+    return replace(cal, compute=compute, path=f"x{replicas}")

@@ -136,11 +136,14 @@ class ProbeCache:
         self.simulated = 0  # probes this process ran on the simulator (not read back)
         self.asked = 0  # probes asked for (simulated or read back)
 
-    def key(self, cfg: Config, slo: Slo) -> str:
+    def key(self, cfg: Config, slo: Slo, replicas: int = 1) -> str:
         """The probe's config as the simulation sees it (`as_run`) and SLOs (what "ok" and
-        the early stop were judged by), the code and the profile."""
+        the early stop were judged by), the code and the profile; on this machine's CPU the
+        replicas beside it (they price its compute: `space.cost_model`)."""
+        beside = replicas if cfg.hardware.gpu == "cpu" else 1
         text = json.dumps([as_run(cfg).to_dict(), [slo.ttft_s, slo.tbt_s], code_fingerprint(),
-                           _profile_stamp(cfg.hardware.profile)], sort_keys=True, default=str)
+                           _profile_stamp(cfg.hardware.profile)] + ([beside] if beside > 1 else []),
+                          sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
 
     def get(self, key: str) -> dict | None:
@@ -229,11 +232,12 @@ class Prober:
 
     def __call__(self, k: int) -> Probe:
         one = probe_config(self.cfg, self.replicas, rate(k), self.slo)
-        key = self.cache.key(one, self.slo)
+        key = self.cache.key(one, self.slo, self.replicas)
         got = self.cache.get(key)
         self.cache.asked += 1
         if got is None or (got.get("stopped") and not self.stop_early):
-            got = simulate_probe(one, cost_model(self.cfg), self.slo, self.replicas, self.stop_early)
+            got = simulate_probe(one, cost_model(self.cfg, self.replicas), self.slo, self.replicas,
+                                 self.stop_early)
             self.cache.simulated += 1
             self.cache.put(key, got)
         return Probe(rate(k) * self.gpus, got["tbt_p99_s"], got["ttft_p99_s"], got["ok"],

@@ -89,7 +89,7 @@ def upper_bound(cfg: Config, wl: Workload, replicas: int) -> float:
     tokens: no bubbles, no SLO) plus the decode attention each request must read (the
     cost model's decode attention is affine in the keys read, its coefficients >= 0); the
     slowest stage bounds the rate."""
-    cost = cost_model(cfg)
+    cost = cost_model(cfg, replicas)
     capped = cfg.planner.chunk_size and cfg.planner.max_batch_size
     top = cfg.chunk_tokens + cfg.batch_rows if capped else 16384
     sizes = sorted({max(1, round(top / 2 ** k)) for k in range(15)})

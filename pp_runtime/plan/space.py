@@ -132,15 +132,21 @@ _COSTS: dict = {}
 _SPLITS: dict = {}
 
 
-def cost_model(cfg: Config):
+def cost_model(cfg: Config, replicas: int = 1):
     """`build_cost_model(cfg)`, one per (model, hardware, runtime, tp, layers per stage) in
     this process: what it prices depends on nothing else (its per-token tables grow on
-    demand), and building one reads the profile's tables."""
+    demand), and building one reads the profile's tables. With `replicas` > 1 on this
+    machine's CPU, priced with the calibration of that many replicas served side by side
+    where one was measured (`calibrated.shared`; plan/shared.py)."""
     from pp_runtime.costmodel import build_cost_model
+    from pp_runtime.costmodel.model import StageCostModel, build_pricing
+    from pp_runtime.plan.calibrated import shared
 
-    key = (cfg.model, cfg.hardware, cfg.runtime, cfg.parallel.tp, tuple(cfg.layers_per_stage()))
+    cal = shared(cfg, replicas)
+    key = (cfg.model, cfg.hardware, cfg.runtime, cfg.parallel.tp, tuple(cfg.layers_per_stage()),
+           cal and cal.key)
     if key not in _COSTS:
-        _COSTS[key] = build_cost_model(cfg)
+        _COSTS[key] = StageCostModel(cfg, build_pricing(cfg), cal) if cal else build_cost_model(cfg)
     return _COSTS[key]
 
 
