@@ -30,39 +30,6 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...  # release the stages; a second call does nothing
 
 
-class ExecutorWrapper:
-    """An executor seen through another object: every `Executor` member is the wrapped
-    one's; a wrapper (the engine's first-submit stamps, the metrics' in-flight count)
-    overrides only `submit` or `wait`."""
-
-    def __init__(self, executor: Executor):
-        self.executor = executor
-        self.name = executor.name
-
-    @property
-    def device(self):
-        return self.executor.device
-
-    @property
-    def path(self) -> str:
-        return self.executor.path
-
-    def describe(self) -> str:
-        return self.executor.describe()
-
-    def submit(self, mb: MicroBatch) -> object:
-        return self.executor.submit(mb)
-
-    def wait(self, handle: object) -> SampledTokens:
-        return self.executor.wait(handle)
-
-    def shutdown(self) -> None:
-        self.executor.shutdown()
-
-    def recover(self) -> None:  # only called where the wrapped executor has it
-        self.executor.recover()
-
-
 class Planner(Protocol):
     """What the loop and an intake use (`planner/base.py`'s BasePlanner has them all)."""
 
@@ -95,6 +62,8 @@ class Intake(Protocol):
 
 
 OnMicroBatch = Callable[[MicroBatch, SampledTokens], None]
+OnSubmit = Callable[[MicroBatch], None]
+OnCollect = Callable[[MicroBatch, "SampledTokens | None"], None]
 
 
 class ExecutorFailed(RuntimeError):
@@ -105,7 +74,8 @@ def run(planner: Planner, executor: Executor, depth: int,
         clock: Callable[[], float] = time.perf_counter,
         on_microbatch: OnMicroBatch | None = None,
         sleep: Callable[[float], None] = time.sleep, intake: Intake | None = None,
-        keep_on_failure: bool = False) -> None:
+        keep_on_failure: bool = False, on_submit: OnSubmit | None = None,
+        on_collect: OnCollect | None = None) -> None:
     """Run until the planner has no work left (with an `intake`: until it is closed).
 
     With nothing in flight and nothing arrived, sleep until the next arrival; that stretch,
@@ -123,6 +93,12 @@ def run(planner: Planner, executor: Executor, depth: int,
     when the planner has no work it blocks in `intake.wait()` instead of returning; the
     stretch from the last result to the first request that ends the wait is idle time,
     handed on as above.
+
+    Hooks around the executor (the engine's first-submit stamps, the metrics' in-flight
+    count): `on_submit(mb)` just before `executor.submit(mb)`; `on_collect(mb, out)` once
+    for every micro-batch given to `on_submit`: after its `wait`, before the planner sees
+    the result, or with `out` None where it was lost (a failed submit or wait, and every
+    micro-batch still in flight then or at an interrupt).
     """
     in_flight: deque[tuple[MicroBatch, object]] = deque()
     quiet_since = clock()  # when the last result came back (the run's start before any)
@@ -147,7 +123,14 @@ def run(planner: Planner, executor: Executor, depth: int,
                 if idle_until is not None:
                     mb = replace(mb, idle_before_s=max(0.0, idle_until - quiet_since))
                     idle_until = None
-                in_flight.append((mb, _executor_call(executor.submit, mb)))
+                if on_submit is not None:
+                    on_submit(mb)
+                try:
+                    handle = _executor_call(executor.submit, mb)
+                except ExecutorFailed:
+                    in_flight.append((mb, None))  # lost with the others in flight
+                    raise
+                in_flight.append((mb, handle))
             if not in_flight:
                 arrival = planner.next_arrival_s()
                 if arrival is None or arrival <= now:
@@ -156,21 +139,26 @@ def run(planner: Planner, executor: Executor, depth: int,
                 idle_until = arrival
                 sleep(max(0.0, arrival - clock()))  # idle until the next request arrives
                 continue
-            mb, handle = in_flight.popleft()
-            out = _executor_call(executor.wait, handle)
+            mb, handle = in_flight[0]
+            out = _executor_call(executor.wait, handle)  # a failure: still in flight, lost
+            in_flight.popleft()
+            if on_collect is not None:
+                on_collect(mb, out)
             quiet_since = clock()
             planner.on_result(mb, out, quiet_since)
             if on_microbatch:
                 on_microbatch(mb, out)
     except ExecutorFailed:
+        _lose(in_flight, on_collect)
         if not keep_on_failure:
             planner.abort_all(FinishReason.ERROR, clock())
         raise
     except KeyboardInterrupt:
+        _lose(in_flight, on_collect)
         planner.abort_all(FinishReason.ERROR, clock())
         raise
     except Exception:
-        _drain(executor, in_flight)
+        _drain(executor, in_flight, on_collect)
         planner.abort_all(FinishReason.ERROR, clock())
         raise
 
@@ -183,11 +171,23 @@ def _executor_call(fn: Callable, arg: object):
         raise ExecutorFailed(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _drain(executor: Executor, in_flight: deque) -> None:
+def _lose(in_flight: deque, on_collect: OnCollect | None) -> None:
+    """The micro-batches still in flight are lost: each collected with None."""
+    while in_flight:
+        mb, _ = in_flight.popleft()
+        if on_collect is not None:
+            on_collect(mb, None)
+
+
+def _drain(executor: Executor, in_flight: deque, on_collect: OnCollect | None) -> None:
     """Collect (and drop) the results still in flight, so the executor can run again."""
     while in_flight:
-        _, handle = in_flight.popleft()
+        mb, handle = in_flight[0]
         try:
-            executor.wait(handle)
+            out = executor.wait(handle)
         except Exception:  # the error being raised matters more than this one
-            return
+            break
+        in_flight.popleft()
+        if on_collect is not None:
+            on_collect(mb, out)
+    _lose(in_flight, on_collect)

@@ -66,8 +66,7 @@ class Engine:
                                                  lambda: self._planner.num_waiting(),
                                                  sink if sink is not None else NullSink(),
                                                  keep_ended=True)
-        self._workers = executor  # unwrapped: what a recovery's log asks
-        self._executor = _Stamped(self.metrics.watch(executor), self._intake.open, clock)
+        self._executor = executor
         rt = cfg.runtime  # recovery in place (engine/recovery.py): executors that can
         self._recoverable = rt.recovery_attempts > 0 and callable(getattr(executor, "recover", None))
         self._budget = Budget(rt.recovery_attempts, rt.recovery_window_s)
@@ -186,7 +185,8 @@ class Engine:
             try:
                 driver.run(self._planner, self._executor, self.cfg.in_flight, self.clock,
                            self._on_microbatch, self._sleep or time.sleep, intake=self._intake,
-                           keep_on_failure=self._recoverable)
+                           keep_on_failure=self._recoverable, on_submit=self._on_submit,
+                           on_collect=self.metrics.on_collect)
                 return  # closed
             except driver.ExecutorFailed as exc:
                 failure = self._recover(exc) if self._recoverable else exc
@@ -237,7 +237,7 @@ class Engine:
                      len(requests), tokens)
         self.recoveries.append(r)
         self.metrics.on_recovery(r.stage, r.tokens)
-        phases = getattr(self._workers, "start_phases", None)  # Ray's, of the replacement
+        phases = getattr(self._executor, "start_phases", None)  # Ray's, of the replacement
         log.warning("recovered in %.1f s (%d attempt(s)%s); %d requests compute %d tokens again",
                     r.seconds, attempts, "".join(f", {k} {v:.1f} s" for k, v in (phases or {}).items()),
                     r.requests, r.tokens)
@@ -253,6 +253,16 @@ class Engine:
                 o.dropped = True
             o.error = error
             self._end(o)
+
+    def _on_submit(self, mb: MicroBatch) -> None:
+        """Just before the executor takes `mb`: each request's first submit is stamped (its
+        queue time ends), and the metrics count one more micro-batch in flight."""
+        now, opened = self.clock(), self._intake.open
+        for s in mb.seqs:
+            o = opened.get(s.request_id)
+            if o is not None and o.first_submit_s is None:
+                o.first_submit_s = now
+        self.metrics.on_submit(mb)
 
     def _on_microbatch(self, mb: MicroBatch, out: SampledTokens) -> None:
         """After the planner took a result: metrics, watchers, then each request's events
@@ -299,21 +309,3 @@ def _timing(o: Open, out: RequestOutput, bubble_s: float) -> RequestTiming:
     return RequestTiming(None if o.first_submit_s is None else o.first_submit_s - arrival,
                          None if first is None else first - arrival,
                          None if first is None or end is None else end - first, bubble_s)
-
-
-class _Stamped(driver.ExecutorWrapper):
-    """The executor, noting when each request's first micro-batch was submitted; the rest
-    of `driver.Executor` is the executor's own."""
-
-    def __init__(self, executor: driver.Executor, opened: dict[int, Open],
-                 clock: Callable[[], float]):
-        super().__init__(executor)
-        self.opened, self.clock = opened, clock
-
-    def submit(self, mb: MicroBatch) -> object:
-        now = self.clock()
-        for s in mb.seqs:
-            o = self.opened.get(s.request_id)
-            if o is not None and o.first_submit_s is None:
-                o.first_submit_s = now
-        return self.executor.submit(mb)

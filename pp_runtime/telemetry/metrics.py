@@ -1,8 +1,8 @@
 """Live metrics of a run, exported through Ray's metrics agent (docs/monitoring.md).
 
-A `RuntimeMetrics` is made per run (one `generate` call) and fed by the driver loop's own
-hooks: it wraps the executor (`submit` / `wait` count the micro-batches in flight) and
-chains the `on_microbatch` callback. Per micro-batch it applies the bubble rule online
+A `RuntimeMetrics` is made per engine and fed by the driver loop's own hooks
+(`driver.run`'s `on_submit` / `on_collect` count the micro-batches in flight, a lost one
+included) and its `on_microbatch` callback. Per micro-batch it applies the bubble rule online
 with the same `StageAccumulator` that `bubbles.account()` and the run recorder use, so the
 live per-stage numbers, bubble by cause included, equal the report's. Per-request numbers (bubble, TTFT, time between
 tokens) are recorded when the request finishes.
@@ -20,7 +20,6 @@ from enum import Enum
 from typing import Callable, Mapping, Protocol
 
 from pp_runtime.core.batch import MicroBatch, SampledTokens
-from pp_runtime.core.driver import ExecutorWrapper
 from pp_runtime.config import Config
 from pp_runtime.core.request import Request
 from pp_runtime.telemetry.bubbles import StageAccumulator, add_microbatch
@@ -167,7 +166,8 @@ def deployment_tag(cfg: Config) -> str:
 
 
 class RuntimeMetrics:
-    """One run's live metrics. Feed it through `watch()` (executor) and `chain()` (callback).
+    """One run's live metrics. Feed it the driver's hooks: `on_submit`, `on_collect` and
+    `on_microbatch` (or `chain()` around another callback).
 
     `requests`: the run's requests by id (for TTFT and finishing); `queue_depth`: how many
     arrived requests wait for admission right now; `clock`: the driver's clock;
@@ -199,9 +199,13 @@ class RuntimeMetrics:
         return cls(deployment_tag(cfg), requests, clock, queue_depth, sink, keep_ended)
 
     # ---- hooks into the driver loop ------------------------------------------------------
-    def watch(self, executor) -> "_Watched":
-        """The executor, counting micro-batches in flight as they are submitted and collected."""
-        return _Watched(executor, self)
+    def on_submit(self, mb: MicroBatch) -> None:
+        """`driver.run`'s on_submit: one more micro-batch in flight."""
+        self.set_in_flight(self.in_flight + 1)
+
+    def on_collect(self, mb: MicroBatch, out: SampledTokens | None) -> None:
+        """`driver.run`'s on_collect: one fewer in flight, its result back or lost (None)."""
+        self.set_in_flight(self.in_flight - 1)
 
     def chain(self, on_microbatch: Callable[[MicroBatch, SampledTokens], None] | None = None):
         """An `on_microbatch` callback that records, then calls `on_microbatch`."""
@@ -220,10 +224,9 @@ class RuntimeMetrics:
 
     # ---- a recovery (engine/recovery.py) -------------------------------------------------
     def set_recovering(self, on: bool) -> None:
-        """While the workers are replaced; the micro-batches that were in flight are lost."""
+        """While the workers are replaced (the driver collected the micro-batches lost as
+        None: nothing is in flight)."""
         self._record(Metric.RECOVERING, 1.0 if on else 0.0)
-        if on:
-            self.set_in_flight(0)
 
     def on_recovery(self, stage: int | None, tokens: int) -> None:
         self._record(Metric.RECOVERIES, 1.0, {"stage": "unknown" if stage is None else str(stage)})
@@ -308,23 +311,3 @@ class RuntimeMetrics:
     def _record(self, metric: Metric, value: float, tags: Mapping[str, str] | None = None) -> None:
         """Add to a counter, set a gauge or observe a histogram: the sink knows which."""
         self.sink.record(metric, value, {**self.tags, **tags} if tags else self.tags)
-
-
-class _Watched(ExecutorWrapper):
-    """An executor wrapper that reports the number of micro-batches in flight; the rest of
-    `driver.Executor` is the executor's own."""
-
-    def __init__(self, executor, metrics: RuntimeMetrics):
-        super().__init__(executor)
-        self.metrics = metrics
-
-    def submit(self, mb: MicroBatch) -> object:
-        handle = self.executor.submit(mb)
-        self.metrics.set_in_flight(self.metrics.in_flight + 1)
-        return handle
-
-    def wait(self, handle: object) -> SampledTokens:
-        try:
-            return self.executor.wait(handle)
-        finally:  # a failed micro-batch is not in flight any more either
-            self.metrics.set_in_flight(self.metrics.in_flight - 1)

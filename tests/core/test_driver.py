@@ -100,3 +100,89 @@ def test_an_executor_error_ends_the_run_as_executor_failed():
     with pytest.raises(driver.ExecutorFailed, match="RuntimeError: stage 1 died"):
         driver.run(p, Dies(UnitCost(2), 2, clock), 2, clock, sleep=clock.sleep)
     assert p.requests[0].finish_reason == FinishReason.ERROR
+
+
+class Hooks:
+    """`driver.run`'s on_submit / on_collect, as a list of events."""
+
+    def __init__(self):
+        self.events = []
+
+    def submit(self, mb):
+        self.events.append(("submit", mb.mb_id))
+
+    def collect(self, mb, out):
+        self.events.append(("collect", mb.mb_id, None if out is None else out.mb_id))
+
+    def balanced(self) -> bool:
+        """Every micro-batch submitted was collected once, after its submit."""
+        submitted = [e[1] for e in self.events if e[0] == "submit"]
+        collected = [e[1] for e in self.events if e[0] == "collect"]
+        return sorted(submitted) == sorted(collected) and len(set(collected)) == len(collected)
+
+
+def test_the_hooks_see_each_submit_before_the_executor_and_each_result_once():
+    clock = VirtualClock()
+    p = planner("sarathi")
+    for rid in range(3):
+        add(p, rid, prompt_len=40, max_tokens=3)
+    hooks, seen = Hooks(), []
+
+    class Seen(SimExecutor):
+        def submit(self, mb):
+            seen.append(hooks.events[-1])  # on_submit ran just before
+            return super().submit(mb)
+
+    driver.run(p, Seen(UnitCost(2), 2, clock), 2, clock, sleep=clock.sleep,
+               on_submit=hooks.submit, on_collect=hooks.collect)
+    assert seen and all(e[0] == "submit" for e in seen)
+    assert hooks.balanced()
+    assert all(e[1] == e[2] for e in hooks.events if e[0] == "collect")  # each its own result
+
+
+@pytest.mark.parametrize("fails", ["wait", "submit"])
+def test_micro_batches_lost_in_a_failure_are_collected_with_none(fails):
+    """Three in flight when the executor fails: every one submitted is collected (the
+    in-flight gauge goes back to 0), the lost ones with None."""
+    clock = VirtualClock()
+    p = planner("sarathi")
+    for rid in range(4):
+        add(p, rid, prompt_len=300, max_tokens=4)
+    hooks, calls = Hooks(), {"submit": 0, "wait": 0}
+
+    class Dies(SimExecutor):
+        def submit(self, mb):
+            calls["submit"] += 1
+            if fails == "submit" and calls["submit"] == 5:
+                raise RuntimeError("stage 1 died")
+            return super().submit(mb)
+
+        def wait(self, handle):
+            calls["wait"] += 1
+            if fails == "wait" and calls["wait"] == 2:
+                raise RuntimeError("stage 1 died")
+            return super().wait(handle)
+
+    with pytest.raises(driver.ExecutorFailed):
+        driver.run(p, Dies(UnitCost(2), 2, clock), 3, clock, sleep=clock.sleep,
+                   keep_on_failure=True, on_submit=hooks.submit, on_collect=hooks.collect)
+    assert hooks.balanced()
+    lost = [e[1] for e in hooks.events if e[0] == "collect" and e[2] is None]
+    assert len(lost) == 3, hooks.events  # the failed one and the two behind it
+
+
+def test_a_callback_bug_collects_the_micro_batches_in_flight_with_their_results():
+    clock = VirtualClock()
+    p = planner("sarathi")
+    for rid in range(3):
+        add(p, rid, prompt_len=300, max_tokens=4)
+    hooks = Hooks()
+
+    def bad(mb, out):
+        raise Boom("a bug in a report")
+
+    with pytest.raises(Boom):
+        driver.run(p, SimExecutor(UnitCost(2), 2, clock), 2, clock, bad, sleep=clock.sleep,
+                   on_submit=hooks.submit, on_collect=hooks.collect)
+    assert hooks.balanced()
+    assert all(e[2] is not None for e in hooks.events if e[0] == "collect")  # drained, not lost

@@ -1,6 +1,8 @@
 """The torch-free rules of a recovery (engine/recovery.py, Planner.adopt, the report's
 line): the budget's sliding window, the stage a failure names, requests handed to a fresh
 planner in order with their KV dropped, the report's recovery line."""
+import pytest
+
 from pp_runtime.config import load_config
 from pp_runtime.core.errors import WorkerFailed
 from pp_runtime.core.request import Request, SamplingParams
@@ -64,3 +66,57 @@ def test_the_report_lists_each_recovery():
     text = format_summary({"summary": summary})
     assert ("recovery 1 at 1.50 s: stage 1 tp rank 0 failed; workers replaced in 6.80 s "
             "(1 attempt(s)), 2 requests computed 92 tokens again") in text
+
+
+@pytest.mark.parametrize("attempts", [2, 0], ids=["recovered", "failed"])
+def test_the_in_flight_gauge_returns_to_zero_after_a_failure(attempts):
+    """An engine on the simulator whose executor fails one wait with micro-batches in
+    flight, then recovers (or, with no recovery attempts, fails): the lost micro-batches
+    leave the gauge (driver.run collects them with None), and it ends at 0."""
+    from pp_runtime.engine.online import Engine
+    from pp_runtime.executors.sim import SimExecutor, VirtualClock
+    from pp_runtime.telemetry.metrics import Metric
+
+    class Free:
+        def stage_times(self, prefills, decodes):
+            return [1e-3, 1e-3]
+
+        def send_time(self, num_tokens, stage):
+            return 0.0
+
+    class FailsOnce(SimExecutor):
+        waits, recovered = 0, 0
+
+        def wait(self, handle):
+            self.waits += 1
+            if self.waits == 3:
+                raise WorkerFailed("stage 1 tp rank 0 failed during micro-batch 2")
+            return super().wait(handle)
+
+        def recover(self):
+            self.recovered += 1
+            self._done.clear()
+
+    class Gauges:
+        def __init__(self):
+            self.in_flight = []
+
+        def record(self, metric, value, tags):
+            if metric is Metric.IN_FLIGHT:
+                self.in_flight.append(value)
+
+    cfg = load_config("tiny", chunk_size=16, tile_size=16, max_batch_size=4, pp=2,
+                      recovery_attempts=attempts)
+    clock, sink = VirtualClock(), Gauges()
+    ex = FailsOnce(Free(), 2, clock)
+    engine = Engine(cfg, ex, sink=sink, clock=clock, sleep=clock.sleep)
+    try:
+        handles = [engine.add_request([1 + i] * 40, SamplingParams(max_tokens=4, ignore_eos=True))
+                   for i in range(3)]
+        outs = [h.result(timeout=30).output for h in handles]
+    finally:
+        engine.close()
+    assert ex.recovered == len(engine.recoveries) == (1 if attempts else 0)
+    assert all(o.finish_reason == ("length" if attempts else "error") for o in outs)
+    assert max(sink.in_flight) >= 2  # several were in flight when the wait failed
+    assert engine.metrics.in_flight == 0 and sink.in_flight[-1] == 0

@@ -154,28 +154,18 @@ def test_per_stage_series_are_summed_not_sent_per_microbatch():
     assert len(sink.observed[(Metric.MB_TOKENS, DEP + (("kind", "prefill"),))]) == 500
 
 
-def test_in_flight_and_queue_depth_follow_submit_and_wait():
-    class Pipeline:
-        name = "fake"
-
-        def submit(self, mb):
-            return mb
-
-        def wait(self, handle):
-            if handle == "bad":
-                raise RuntimeError("worker died")
-            return SampledTokens(handle)
-
+def test_in_flight_and_queue_depth_follow_the_drivers_hooks():
+    """Submitted, collected, lost: the gauge counts each once and returns to 0."""
     sink, waiting = MemorySink(), [3]
-    ex = RuntimeMetrics("m-tp1xpp2", {}, lambda: 0.0, lambda: waiting[0], sink).watch(Pipeline())
-    assert ex.name == "fake"
-    a = ex.submit(0)
+    m = RuntimeMetrics("m-tp1xpp2", {}, lambda: 0.0, lambda: waiting[0], sink)
+    a, b, c = (MicroBatch(i, ()) for i in range(3))
+    m.on_submit(a)
     waiting[0] = 2
-    b = ex.submit(1)
-    ex.wait(a)
-    ex.wait(b)
-    with pytest.raises(RuntimeError):
-        ex.wait(ex.submit("bad"))
+    m.on_submit(b)
+    m.on_collect(a, SampledTokens(0))
+    m.on_collect(b, SampledTokens(1))
+    m.on_submit(c)
+    m.on_collect(c, None)  # lost in a failure: not in flight any more either
     assert sink.gauge_history[(Metric.IN_FLIGHT, DEP)] == [1, 2, 1, 0, 1, 0]
     assert sink.gauge_history[(Metric.QUEUE_DEPTH, DEP)] == [3, 2, 2, 2, 2, 2]
 
