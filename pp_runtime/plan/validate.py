@@ -21,6 +21,7 @@ from pathlib import Path
 from pp_runtime.bench.capacity import Probe, ServerProcess, capacity_search, meets
 from pp_runtime.config import Config, ConfigError, load_config
 from pp_runtime.core.net import free_port
+from pp_runtime.costmodel.balance import resolve_layer_split
 from pp_runtime.plan.probe import SPAN_TTFTS, Prober, ProbeCache, grid_index, rate
 from pp_runtime.plan.search import REL_TOL, Result, Slo, Workload, upper_bound
 from pp_runtime.plan.space import Candidate, Layout
@@ -97,8 +98,8 @@ def validate(args, rank: list[Result], configs: dict, slo: Slo, out: Path) -> in
     n = args.validate_requests
     base = configs[chosen[0].candidate]
     ref = load_config(args.reference)  # its deployment and knobs, on the plan's model and traffic
-    ref = replace(ref, model=base.model, workload=base.workload,
-                  hardware=base.hardware).validate()
+    ref = resolve_layer_split(replace(ref, model=base.model, workload=base.workload,
+                                      hardware=base.hardware).validate())
     ref_cand = Candidate(Layout(ref.parallel.tp, ref.parallel.pp, 1), ref.planner.planner,
                          ref.chunk_tokens, ref.batch_rows, ref.in_flight, "config")
     rows = [(f"#{i} {r.candidate.name}", r.candidate, configs[r.candidate]) for i, r in enumerate(chosen, 1)]
