@@ -12,11 +12,12 @@ those 17 % move it by far more (the predicted two replicas carried 1.60 x what t
 
 So for a layout of r > 1 replicas on `--gpu cpu`, before the search, the plan measures
 what its replicas compute served side by side (`measure`): r `pp-runtime serve` processes
-of the layout's first candidate, each a Poisson stream at SHARE of one replica's bound for
-SPAN_S, their stage busy seconds (`/metrics`) against the simulator's for the same streams
-priced with the layout's calibration. The ratio scales that calibration's compute (every
-term: a slower core slows all of it), saved as the entry `<key>/x<r>` (`local/pp1/x2`)
-that `space.cost_model` prices the layout's candidates with (`calibrated.shared`).
+of the layout's first candidate, each a Poisson stream at SHARE of one replica's bound (at
+most MAX_REQUESTS in SPAN_S) for SPAN_S, their stage busy seconds (`/metrics`) against the
+simulator's for the same streams priced with the layout's calibration. The ratio scales
+that calibration's compute (every term: a slower core slows all of it), saved as the entry
+`<key>/x<r>` (`local/pp1/x2`) that `space.cost_model` prices the layout's candidates with
+(`calibrated.shared`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from pp_runtime.plan.calibrated import scaled
 
 SHARE = 0.55  # of one replica's bound, the rate each replica is served at (busy, not swamped)
 SPAN_S = 40.0  # seconds of arrivals per replica, at least
+MAX_REQUESTS = 60  # per replica, at most: a tiny model's bound would ask for thousands
 BUSY = re.compile(r"^pp_runtime_stage_busy_seconds(?:_total)?(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 
 
@@ -73,7 +75,7 @@ def measure(cfg: Config, replicas: int, bound_qps: float, out: Path, log=print) 
     base = find_calibration(cfg)
     if base is None:
         raise ValueError(f"{calibrated.entry_name(cfg)}: calibrate one replica first")
-    qps = SHARE * bound_qps
+    qps = min(SHARE * bound_qps, MAX_REQUESTS / SPAN_S)
     mine = streams(cfg.with_overrides(**{"workload.num_requests": 1}), replicas, qps)
     path = dump_config(mine[0], replicas, out / f"shared-x{replicas}.yaml",
                        f"pp-runtime plan: {replicas} replicas served side by side")
