@@ -7,6 +7,7 @@ tokens into one [num_tokens, hidden] tensor, in this order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -97,3 +98,25 @@ class StageTiming:
     @property
     def compute_s(self) -> float:
         return self.compute_end_s - self.compute_start_s
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one (stage, TP rank) returns for a micro-batch, on every executor and over
+    every wire (Ray, the TP relay, torchrun's control channel): its timing, and the token
+    ids it sampled where it sampled (TP rank 0 of the last stage), else None."""
+
+    timing: StageTiming
+    tokens: dict[int, int] | None = None  # request id -> sampled token id
+
+
+def assemble(mb_id: int, results: Iterable[RankResult]) -> SampledTokens:
+    """A micro-batch's `SampledTokens` from every rank's result, given in rank order (the
+    one place it is built from workers' results): the sampling rank's tokens, every
+    timing in that order."""
+    tokens, timings = {}, []
+    for r in results:
+        timings.append(r.timing)
+        if r.tokens is not None:
+            tokens = r.tokens
+    return SampledTokens(mb_id, tokens, tuple(timings))

@@ -6,10 +6,9 @@ driver loop and the planner are the same for every deployment.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
-from pp_runtime.core.batch import MicroBatch, SampledTokens
+from pp_runtime.core.batch import MicroBatch, SampledTokens, assemble
 from pp_runtime.config import Config, ConfigError
 from pp_runtime.worker.device import resolve_device
 from pp_runtime.worker.stage import StageWorker
@@ -28,11 +27,11 @@ class LocalExecutor:
         self._done: dict[int, SampledTokens] = {}
 
     def submit(self, mb: MicroBatch) -> int:
-        x, timings = None, []
+        x, results = None, []
         for worker in self.workers:
-            x, timing = worker.execute(mb, x)
-            timings.append(timing)
-        self._done[mb.mb_id] = replace(x, timings=tuple(timings))
+            result, x = worker.execute(mb, x)
+            results.append(result)
+        self._done[mb.mb_id] = assemble(mb.mb_id, results)
         return mb.mb_id
 
     def describe(self) -> str:

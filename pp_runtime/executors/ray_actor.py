@@ -13,7 +13,7 @@ import os
 import time
 
 from pp_runtime.config import Config
-from pp_runtime.core.batch import MicroBatch, SampledTokens
+from pp_runtime.core.batch import MicroBatch, RankResult
 from pp_runtime.executors.ray_relay import RelayMember
 from pp_runtime.parallel.groups import DistSpec, listen_on
 
@@ -85,20 +85,19 @@ class StageActor(RelayMember):
         """Seconds `start` spent joining the groups, warming up, building the worker."""
         return self.start_s
 
-    def execute(self, mb: MicroBatch):
-        """(tokens or None, timing); under the relay (TP rank 0 only), the plan goes to
-        the stage's other TP ranks first and the timings are every TP rank's, in order."""
+    def execute(self, mb: MicroBatch) -> RankResult | list[RankResult]:
+        """This rank's result; under the relay (TP rank 0 only), the plan goes to the
+        stage's other TP ranks first, and every TP rank's result comes back, in order."""
         return self._run(mb) if self.relay is None else self.lead(mb)
 
-    def _run(self, mb: MicroBatch):
+    def _run(self, mb: MicroBatch) -> RankResult:
         stall, self.stall_s = self.stall_s, 0.0
         if stall:
             time.sleep(stall)
         self.started += 1
-        out, timing = self.worker.execute(mb)
+        result, _ = self.worker.execute(mb)
         self.done += 1
-        tokens = out.tokens if isinstance(out, SampledTokens) and self.tp_rank == 0 else None
-        return tokens, timing
+        return result
 
     def layers(self) -> tuple[int, int]:
         """Layers [lo, hi) this rank's worker holds: the split that runs."""
@@ -138,7 +137,7 @@ class StageActor(RelayMember):
 
 def stage_actor_class(ray, groups: bool):
     """`StageActor` as a Ray actor class: with concurrency groups (each call names its
-    group, `RayExecutor._call`) off the compiled graph, so `ping` and `progress` answer
+    group, `Ranks.call` in ray_ranks.py) off the compiled graph, so `ping` and `progress` answer
     while `execute` waits on a hung neighbour and the diagnosis names the rank that hangs
     (measured no dearer per call than a plain actor: docs/distributed.md); under the graph
     a plain actor, whose graph loop runs on a thread of its own."""

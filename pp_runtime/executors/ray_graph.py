@@ -1,14 +1,15 @@
-"""The Ray executor's optional path: every rank's `execute` as one Ray Compiled Graph
-(`runtime.compiled_graph`; docs/distributed.md). `CompiledGraphPath` is mixed into
-`RayExecutor`, which holds `actors`, `cfg`, `ray`, `dag`, `dag_broken`, `_call` and `_name`."""
+"""The Ray executor's compiled-graph path (`runtime.compiled_graph`; docs/distributed.md):
+every rank's `execute` joined into one Ray Compiled Graph (`ray.dag`,
+`experimental_compile`), one `dag.execute(mb)` per micro-batch that reaches every actor
+through the graph's channels. `graph_on` decides, once, whether it runs; `GraphPath` is
+its `Transport` (`ray_transport.py`), naming faults by the one diagnosis (`ray_ranks.py`)."""
 from __future__ import annotations
 
 import time
 
-from pp_runtime.core.errors import CheckpointError, ConfigError, WorkerFailed
+from pp_runtime.core.batch import MicroBatch, RankResult
+from pp_runtime.executors.ray_ranks import kill_actors
 
-PING_S = 5.0  # how long a diagnosis waits for an actor's answer to a ping
-PROGRESS_S = 1.0  # ... to `progress`, answered from the control group in milliseconds
 GRAPH_AUTO = "auto"  # runtime.compiled_graph: decided by `graph_on` from the cluster
 
 
@@ -48,84 +49,63 @@ def local_cores(ray) -> int | None:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-class CompiledGraphPath:
-    graph = False  # the stages run as one compiled graph (decided in `_start`)
+class GraphPath:
+    """The compiled graph as a `Transport`: compiled by `start` once the actors are up
+    (again after a recovery); its actors are plain (the graph loop runs on a thread of
+    its own, so `ping` and `progress` still answer)."""
 
-    def _graph_wanted(self) -> bool:
-        """`graph_on` for this executor's cluster, once, on the driver, after `ray_device`."""
-        return graph_on(self.cfg, self.device, self.ray.cluster_resources(), local_cores(self.ray))
+    path, how, concurrency_groups, relay = "graph", "compiled graph", False, False
 
-    def _compile(self):
-        """Every rank's `execute(mb)` as one compiled graph: one `execute` per micro-batch."""
+    def __init__(self, ranks, max_inflight: int, submit_timeout_s: float):
+        self.ranks, self.dag = ranks, None
+        self.max_inflight, self.submit_timeout_s = max_inflight, submit_timeout_s
+
+    def start(self) -> None:
+        """Every rank's `execute(mb)` as one compiled graph."""
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as mb:
-            graph = MultiOutputNode([a.execute.bind(mb) for a in self.actors])
-        return graph.experimental_compile(_max_inflight_executions=self.cfg.in_flight + 1,
-                                          _submit_timeout=self.cfg.runtime.step_timeout_s)
+            graph = MultiOutputNode([a.execute.bind(mb) for a in self.ranks.actors])
+        self.dag = graph.experimental_compile(_max_inflight_executions=self.max_inflight,
+                                              _submit_timeout=self.submit_timeout_s)
 
-    def _gather_graph(self, refs: list, timeout_s: float, what: str) -> list:
-        """The compiled graph's results in rank order; the first rank whose result does not
-        come within timeout_s is named as hung, a rank that raised or died as failed."""
+    def submit(self, mb: MicroBatch) -> list:
+        try:
+            return self.dag.execute(mb)  # one ref per rank
+        except Exception as exc:  # the graph is broken: a rank died
+            raise self.ranks.failure(None, exc, f"micro-batch {mb.mb_id}") from exc
+
+    def gather(self, refs: list, timeout_s: float, what: str) -> list[RankResult]:
+        """The results in rank order; the first rank whose result does not come within
+        timeout_s starts the hang's diagnosis, a rank that raised is named as failed, a
+        closed channel (a rank died) by the first dead rank."""
         from ray.exceptions import RayChannelTimeoutError, RayTaskError
 
         deadline, out = time.monotonic() + timeout_s, []
         for i, ref in enumerate(refs):
             try:
-                out.append(self.ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+                out.append(self.ranks.ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
             except RayChannelTimeoutError:
-                self.dag_broken = True
-                raise WorkerFailed(f"{self._name(self._behind(i, (i,)))} did not finish {what} within "
-                                   f"{timeout_s:g} s (runtime.step_timeout_s)") from None
+                raise self.ranks.hung([i], timeout_s, what) from None
             except RayTaskError as exc:  # the rank's execute raised
-                self.dag_broken = True
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, (CheckpointError, ConfigError)):
-                    raise type(cause)(f"{self._name(i)}: {cause}") from exc
-                raise WorkerFailed(f"{self._name(i)} failed during {what}: "
-                                   f"{type(exc).__name__}: {first_line(exc)}") from exc
+                raise self.ranks.failure(i, exc, what) from exc
             except Exception as exc:  # the graph's channels closed: a rank died
-                raise self._graph_failure(exc, what) from exc
+                raise self.ranks.failure(None, exc, what) from exc
         return out
 
-    def _behind(self, first: int, pending=()) -> int:
-        """The rank that hangs, where the others wait on it or ran ahead: the first that
-        does not answer `progress` within PROGRESS_S (stopped, or holding its process), else
-        the one with the fewest micro-batches started plus finished (a `pending` one, whose
-        result is late, first among equals); `first` if no rank answers at all."""
-        refs = [self._call(i, "progress") for i in range(len(self.actors))]
-        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=PROGRESS_S)
-        done = {}
-        for ref in ready:
-            try:
-                done[refs.index(ref)] = self.ray.get(ref)
-            except Exception:  # dead: as silent as a stopped one
-                pass
-        if not done:
-            return first
-        silent = [i for i in range(len(refs)) if i not in done]
-        if silent:
-            return silent[0]
-        low = [i for i in range(len(refs)) if done[i] == min(done.values())]
-        return next((i for i in low if i in pending), low[0])
-
-    def _graph_failure(self, exc: BaseException, what: str) -> WorkerFailed:
-        """WorkerFailed naming the first rank that no longer answers (a dead actor breaks
-        the whole graph, so its error alone does not say which)."""
-        self.dag_broken = True
-        refs = [self._call(i, "ping") for i in range(len(self.actors))]
-        for i, ref in enumerate(refs):
-            try:
-                self.ray.get(ref, timeout=5)
-            except Exception as dead:  # RayActorError / ActorDiedError
-                return WorkerFailed(f"{self._name(i)} failed during {what}: "
-                                    f"{type(dead).__name__}: {first_line(dead)}")
-        return WorkerFailed(f"the compiled graph failed during {what}: "
-                            f"{type(exc).__name__}: {first_line(exc)}")
+    def teardown(self, broken: bool) -> bool:
+        """Stop the graph's loops and free its channels; a broken graph after its actors
+        are killed (a hung or dead rank would hold its teardown up)."""
+        dag, self.dag = self.dag, None
+        if dag is None:
+            return not broken
+        if broken:
+            kill_actors(self.ranks.actors)
+        _teardown(dag, broken)
+        return not broken
 
 
-
-def teardown(dag, broken: bool = False) -> None:
+def _teardown(dag, broken: bool) -> None:
     """Stop the graph's loops on the actors and free its channels. A broken graph's
     teardown finds dead actors: Ray would log each with a traceback, after the failure
     was already reported by name, so its logger is quiet meanwhile."""
@@ -141,9 +121,3 @@ def teardown(dag, broken: bool = False) -> None:
         pass
     finally:
         log.setLevel(level)
-
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return next((line for line in reversed(text) if line.strip()), type(exc).__name__)[:300]

@@ -6,8 +6,8 @@ control channel, also with NCCL for the activations: one asynchronous broadcast,
 world - 1 sends) and hands rank 0's own stage-0 work to a thread of its own, so the driver
 plans the next micro-batch while stage 0 computes this one (the thread takes them in
 order; torch releases the GIL while it computes). The other ranks (`serve`) take plans in
-order, execute them, and send back `(token ids or None, StageTiming)`. `wait(mb)` collects
-those in rank order, rank 0's from its thread. The control channel (`executors/control.py`,
+order, execute them, and send back their `RankResult`. `wait(mb)` collects those in rank
+order, rank 0's from its thread, and `assemble`s the SampledTokens. The control channel (`executors/control.py`,
 rooted at rank 0) never blocks a send (isend, async broadcast), so a rank busy with its
 stage never stalls another. Messages are JSON typed by the dataclasses
 (`executors/wire.py`), never pickles.
@@ -27,12 +27,8 @@ import torch.distributed as dist
 
 from pp_runtime.executors import wire
 from pp_runtime.executors.control import ControlChannel
-from pp_runtime.core.batch import MicroBatch, SampledTokens
+from pp_runtime.core.batch import MicroBatch, RankResult, SampledTokens, assemble
 from pp_runtime.worker.stage import StageWorker
-
-
-def _result(worker: StageWorker, out) -> object:
-    return out.tokens if isinstance(out, SampledTokens) and worker.tp_rank == 0 else None
 
 
 class TorchrunExecutor:
@@ -46,7 +42,6 @@ class TorchrunExecutor:
         self.worker, self.ctrl, self.world, self.tp = worker, ctrl, world_size, tp
         self.timeout_s = timeout_s  # per result; None: wait as long as gloo's group does
         self.failed = False  # a wait raised: the pipeline is broken, peers are not told
-        self.last = world_size - tp  # TP rank 0 of the last stage: it samples
         # rank 0's stage-0 work, in submission order, off the driver's thread
         self._stage0 = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage0")
         self.device = worker.device  # what the stages run on (reports name it)
@@ -58,9 +53,8 @@ class TorchrunExecutor:
         self.ctrl.broadcast(mb, wire.PLAN)  # one message to every rank, not world - 1
         return mb.mb_id, self._stage0.submit(self._execute, mb)
 
-    def _execute(self, mb: MicroBatch) -> tuple:
-        out, timing = self.worker.execute(mb)
-        return _result(self.worker, out), timing
+    def _execute(self, mb: MicroBatch) -> RankResult:
+        return self.worker.execute(mb)[0]
 
     def wait(self, handle: tuple[int, Future]) -> SampledTokens:
         mb_id, own = handle
@@ -70,16 +64,16 @@ class TorchrunExecutor:
         except Exception:
             self.failed = True
             raise
-        return SampledTokens(mb_id, results[self.last][0], tuple(t for _, t in results))
+        return assemble(mb_id, results)
 
-    def _own(self, mb_id: int, own: Future) -> tuple:
+    def _own(self, mb_id: int, own: Future) -> RankResult:
         try:
             return own.result(self.timeout_s)
         except FutureTimeout:
             raise TimeoutError(f"stage 0 (rank 0) did not finish micro-batch {mb_id} within "
                                f"{self.timeout_s:g} s (runtime.step_timeout_s)") from None
 
-    def _peer(self, mb_id: int, rank: int) -> tuple:
+    def _peer(self, mb_id: int, rank: int) -> RankResult:
         try:
             return self.ctrl.recv(rank, wire.RESULT, self.timeout_s)
         except RuntimeError as exc:  # gloo: the peer's socket closed, or the time ran out
@@ -102,8 +96,7 @@ def serve(worker: StageWorker, ctrl: ControlChannel) -> int:
     returns how many micro-batches it ran."""
     n = 0
     while (mb := ctrl.recv_broadcast(wire.PLAN)) is not None:
-        out, timing = worker.execute(mb)
-        ctrl.send((_result(worker, out), timing), wire.RESULT, 0)
+        ctrl.send(worker.execute(mb)[0], wire.RESULT, 0)
         n += 1
     if worker.link is not None:
         worker.link.flush()

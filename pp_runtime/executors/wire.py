@@ -16,10 +16,10 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError, SchemaSerializer, SchemaValidator
 
-from pp_runtime.core.batch import MicroBatch, StageTiming
+from pp_runtime.core.batch import MicroBatch, RankResult
 
 PLAN = MicroBatch | None  # rank 0 -> every other rank; None: stop serving
-RESULT = tuple[dict[int, int] | None, StageTiming]  # a rank -> rank 0: (token ids, timing)
+RESULT = RankResult  # a rank -> rank 0 (torchrun), a TP peer -> its TP rank 0 (the relay)
 
 
 class WireError(ValueError):

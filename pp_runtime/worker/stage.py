@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pp_runtime.core.batch import MicroBatch, SampledTokens, StageTiming
+from pp_runtime.core.batch import MicroBatch, RankResult, StageTiming
 from pp_runtime.config import Config
 from pp_runtime.worker.device import torch_dtype
 from pp_runtime.costmodel.memory import check_stage_fits
@@ -76,9 +76,10 @@ class StageWorker:
         return self.model(x, self.cache, layout), layout
 
     @torch.inference_mode()
-    def execute(self, mb: MicroBatch, x: torch.Tensor | None = None):
-        """Returns (hidden states, timing) on inner stages and (SampledTokens, timing) on
-        the last stage; with process groups the hidden states have already been sent on.
+    def execute(self, mb: MicroBatch, x: torch.Tensor | None = None
+                ) -> tuple[RankResult, torch.Tensor | None]:
+        """(this rank's result, the hidden states [num_tokens, hidden] for the next stage,
+        None on the last stage); with process groups they have already been sent on.
 
         Timing: spans RECV_WAIT, TRANSFER (`link.recv`), COMPUTE, SEND_WAIT (`link.send`).
         On CUDA nothing waits while they are recorded; `resolve()` at the end waits for
@@ -89,18 +90,17 @@ class StageWorker:
             x = self.link.recv(mb, rec)
         with rec.span(Op.COMPUTE):
             hidden, layout = self.forward(mb, x)
-            out = hidden
+            out, tokens = hidden, None
             if self.is_last:
-                seqs = [s for s in mb.seqs if s.sampling is not None]
+                out, seqs = None, [s for s in mb.seqs if s.sampling is not None]
                 logits = self.model.logits(hidden[layout.sample_rows])  # [num_sampling, vocab]
-                tokens = {}
                 if self.tp_rank == 0:  # every rank holds the same logits; one samples
                     ids = sample(logits, [s.sampling for s in seqs], [s.kv_len for s in seqs])
                     tokens = {s.request_id: t for s, t in zip(seqs, ids)}
-                out = SampledTokens(mb.mb_id, tokens)
         if self.link is not None and not self.is_last:
             self.link.send(mb, hidden, rec)
         spans = rec.resolve()
         start, end = spans[Op.COMPUTE]
-        return out, StageTiming(mb.mb_id, self.stage, self.tp_rank, spans.seconds(Op.RECV_WAIT),
-                                spans.seconds(Op.TRANSFER), start, end, spans.seconds(Op.SEND_WAIT))
+        timing = StageTiming(mb.mb_id, self.stage, self.tp_rank, spans.seconds(Op.RECV_WAIT),
+                             spans.seconds(Op.TRANSFER), start, end, spans.seconds(Op.SEND_WAIT))
+        return RankResult(timing, tokens), out

@@ -26,7 +26,7 @@ cfg = load_config("tiny", pp={pp}, executor="ray", threads_per_worker=1, compile
                   recovery_attempts=0)  # recovery off: the failure as reported
 llm = LLM(cfg)
 ex = llm.executor
-assert ex.graph and ex.dag is not None, ex.describe()
+assert ex.path == "graph" and ex.transport.dag is not None, ex.describe()
 from pp_runtime.executors.ray_graph import graph_pays, local_cores  # the auto rule, this Ray
 import os
 assert local_cores(ray) == len(os.sched_getaffinity(0))  # the cluster is this machine

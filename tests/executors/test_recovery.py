@@ -91,7 +91,7 @@ def test_a_killed_stage_under_the_compiled_graph_is_replaced(reference):
         assert [o.token_ids for o in got] == reference
         r = g.engine.recoveries
         assert len(r) == 1 and r[0].stage == 1 and r[0].attempts == 1, r
-        assert g.executor.path == "graph" and g.executor.dag is not None
+        assert g.executor.path == "graph" and g.executor.transport.dag is not None
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2], ids=["first", "middle", "last"])
@@ -119,10 +119,10 @@ def test_the_diagnosis_names_a_stopped_rank_where_another_result_is_late(llm):
     pid = ray.get(llm.executor.actors[0].pid.remote(), timeout=30)
     os.kill(pid, signal.SIGSTOP)
     try:
-        assert llm.executor._behind(1, [1, 2]) == 0
+        assert llm.executor.ranks.behind(1, [1, 2]) == 0
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert llm.executor._behind(1, [1, 2]) == 1  # all answer, none ahead: the late one
+    assert llm.executor.ranks.behind(1, [1, 2]) == 1  # all answer, none ahead: the late one
 
 
 @pytest.mark.parametrize("how,stage", [("stall", 1), ("SIGSTOP", 0)])

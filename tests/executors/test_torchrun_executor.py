@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from pp_runtime.core.batch import MicroBatch, SampledTokens, Sampling, SeqChunk, StageTiming
+from pp_runtime.core.batch import MicroBatch, RankResult, Sampling, SeqChunk, StageTiming
 from pp_runtime.executors.torchrun_executor import ControlChannel, TorchrunExecutor
 from pp_runtime.core.net import free_port
 
@@ -28,7 +28,7 @@ class GatedStage:
         self.ran.append(mb.mb_id)
         self.threads.add(threading.current_thread().name)
         timing = StageTiming(mb.mb_id, 0, 0, 0.0, 0.0, 0.0, 0.001)
-        return SampledTokens(mb.mb_id, {s.request_id: 7 for s in mb.seqs}), timing
+        return RankResult(timing, {s.request_id: 7 for s in mb.seqs}), None
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from pp_runtime.core.batch import MicroBatch, SampledTokens, Sampling, SeqChunk, StageTiming
+from pp_runtime.core.batch import MicroBatch, RankResult, SampledTokens, Sampling, SeqChunk, StageTiming
 from pp_runtime.config import load_config
 from pp_runtime.planner import make_planner
 from pp_runtime.core.request import Request, SamplingParams
@@ -41,7 +41,8 @@ def test_real_microbatches_round_trip():
 def test_results_and_stop_round_trip():
     timing = StageTiming(4, 1, 0, 0.001, 0.002, 10.5, 10.75, 0.003)
     for tokens in ({17: 5, 3: 50256}, {}, None):
-        assert decode(encode((tokens, timing), RESULT), RESULT) == (tokens, timing)
+        result = RankResult(timing, tokens)
+        assert decode(encode(result, RESULT), RESULT) == result
     assert decode(encode(None, PLAN), PLAN) is None
 
 
@@ -82,12 +83,13 @@ def test_wrong_fields_and_types_are_refused_by_path(mutate, message):
 
 def test_a_message_of_the_wrong_kind_is_refused():
     timing = StageTiming(0, 0, 0, 0.0, 0.0, 0.0, 0.0)
-    with pytest.raises(WireError, match="expected MicroBatch"):
-        decode(encode(({1: 2}, timing), RESULT), PLAN)
-    with pytest.raises(WireError, match=r"message\[0\]\['x'\] key: expected int, got str"):
-        decode(b'[{"x": 2}, {}]', RESULT)  # a dict[int, int] is a JSON object: keys are text
-    with pytest.raises(WireError, match="expected 2 items, got 1"):
-        decode(b"[null]", RESULT)
+    with pytest.raises(WireError, match=r"unknown: \['timing', 'tokens'\]"):
+        decode(encode(RankResult(timing, {1: 2}), RESULT), PLAN)
+    good = json.loads(encode(RankResult(timing, {1: 2}), RESULT))
+    with pytest.raises(WireError, match=r"message.tokens\['x'\] key: expected int, got str"):
+        decode(json.dumps({**good, "tokens": {"x": 2}}).encode(), RESULT)  # keys are text
+    with pytest.raises(WireError, match=r"missing: \['timing'\]"):
+        decode(b'{"tokens": null}', RESULT)
 
 
 def test_encode_checks_too_and_takes_numpy_ints():

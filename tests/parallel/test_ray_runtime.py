@@ -63,16 +63,16 @@ def test_distributed_greedy_equals_single_process(hf_checkpoint, tp, pp, graph, 
         pytest.skip("PP = 3 on the graph: one family is enough (the suite's time)")
     reference, _, ex = generate(path, executor="local", pp=1)
     assert ex.name == "local"
-    from pp_runtime.executors.ray_executor import RayExecutor
+    from pp_runtime.executors.ray_ranks import Ranks
 
     put, stored, puts = ray.put, [], []
     monkeypatch.setattr(ray, "put", lambda obj, **kw: (stored.append(obj), put(obj, **kw))[1])
     execute = CompiledDAG.execute  # the compiled graph: one execute per micro-batch, for all ranks
     monkeypatch.setattr(CompiledDAG, "execute", lambda dag, mb: (puts.append(mb), execute(dag, mb))[1])
-    call, calls = RayExecutor._call, []  # tasks: one execute(mb) per stage, the plan by value
-    monkeypatch.setattr(RayExecutor, "_call", lambda ex, i, method, *args: (
+    call, calls = Ranks.call, []  # tasks: one execute(mb) per stage, the plan by value
+    monkeypatch.setattr(Ranks, "call", lambda ranks, i, method, *args: (
         calls.append((i, method)), method == "execute" and puts.append(args[0]),
-        call(ex, i, method, *args))[2])
+        call(ranks, i, method, *args))[2])
     results = []
     tokens, mbs, ex = generate(path, results, tp=tp, pp=pp, compiled_graph=graph,
                                tp_relay=relay)
@@ -304,7 +304,7 @@ def test_the_liveness_probe_reaches_busy_followers_and_names_a_dead_one():
     try:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
         ex, actors = llm.executor, list(llm.executor.actors)
-        assert len(ex.follows) == 2 and ex.ping(10)
+        assert len(ex.transport.follows) == 2 and ex.ping(10)
         ray.kill(actors[1])  # asynchronous: a probe may find it busy (False) before dead
         with pytest.raises(WorkerFailed, match="stage 0 tp rank 1 is dead"):
             deadline = time.monotonic() + 60
