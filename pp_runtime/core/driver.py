@@ -123,14 +123,7 @@ def run(planner: Planner, executor: Executor, depth: int,
                 if idle_until is not None:
                     mb = replace(mb, idle_before_s=max(0.0, idle_until - quiet_since))
                     idle_until = None
-                if on_submit is not None:
-                    on_submit(mb)
-                try:
-                    handle = _executor_call(executor.submit, mb)
-                except ExecutorFailed:
-                    in_flight.append((mb, None))  # lost with the others in flight
-                    raise
-                in_flight.append((mb, handle))
+                _submit(executor, mb, in_flight, on_submit)
             if not in_flight:
                 arrival = planner.next_arrival_s()
                 if arrival is None or arrival <= now:
@@ -139,11 +132,7 @@ def run(planner: Planner, executor: Executor, depth: int,
                 idle_until = arrival
                 sleep(max(0.0, arrival - clock()))  # idle until the next request arrives
                 continue
-            mb, handle = in_flight[0]
-            out = _executor_call(executor.wait, handle)  # a failure: still in flight, lost
-            in_flight.popleft()
-            if on_collect is not None:
-                on_collect(mb, out)
+            mb, out = _collect(executor, in_flight, on_collect)
             quiet_since = clock()
             planner.on_result(mb, out, quiet_since)
             if on_microbatch:
@@ -161,6 +150,32 @@ def run(planner: Planner, executor: Executor, depth: int,
         _drain(executor, in_flight, on_collect)
         planner.abort_all(FinishReason.ERROR, clock())
         raise
+
+
+def _submit(executor: Executor, mb: MicroBatch, in_flight: deque,
+            on_submit: OnSubmit | None) -> None:
+    """`on_submit(mb)`, then the executor's submit; `mb` is in flight either way (a failed
+    submit's micro-batch is lost with the others)."""
+    if on_submit is not None:
+        on_submit(mb)
+    try:
+        handle = _executor_call(executor.submit, mb)
+    except ExecutorFailed:
+        in_flight.append((mb, None))
+        raise
+    in_flight.append((mb, handle))
+
+
+def _collect(executor: Executor, in_flight: deque,
+             on_collect: OnCollect | None) -> tuple[MicroBatch, SampledTokens]:
+    """Wait for the oldest micro-batch's result and hand it to `on_collect`; where the
+    wait fails it stays in flight (lost with the others)."""
+    mb, handle = in_flight[0]
+    out = _executor_call(executor.wait, handle)
+    in_flight.popleft()
+    if on_collect is not None:
+        on_collect(mb, out)
+    return mb, out
 
 
 def _executor_call(fn: Callable, arg: object):
