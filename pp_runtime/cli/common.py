@@ -178,13 +178,6 @@ def report_kept(out: Path):
         raise
 
 
-def stopped_by(exc: BaseException | None) -> str | None:
-    """What a report's `interrupted_by` says: SIGINT, SIGTERM, worker failure, or None."""
-    if exc is None:
-        return None
-    return interrupt.signal_name(exc) if isinstance(exc, KeyboardInterrupt) else "worker failure"
-
-
 @contextlib.contextmanager
 def partial_report(out: Path):
     """Write the partial result an interrupted run attached (`exc.result`, from simulate

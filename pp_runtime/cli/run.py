@@ -10,11 +10,10 @@ from pathlib import Path
 
 from pp_runtime.cli.common import (RUN_DEFAULT_CONFIG, add_config_args, add_slo_args, config_from_args,
                                    non_negative_float, non_negative_int, positive_int, report_kept,
-                                   run_base_config, stopped_by)
+                                   run_base_config)
 from pp_runtime.cli.simulate import run_to, workload_report
 from pp_runtime.config import Config, ConfigError
 from pp_runtime.costmodel.memory import kv_blocks, kv_cache_bytes
-from pp_runtime.core.driver import ExecutorFailed
 from pp_runtime.core.request import SamplingParams
 
 
@@ -165,9 +164,8 @@ def add_parser(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    from pp_runtime.engine.llm import LLM  # torch is imported only by commands that need it
-    from pp_runtime.telemetry.recorder import RunRecorder
-    from pp_runtime.telemetry.report import RunResult, format_summary, write_report
+    from pp_runtime.engine.llm import LLM, run_requests  # torch: only where a command needs it
+    from pp_runtime.telemetry.report import format_summary, write_report
 
     if args.workload:
         return _run_config_workload(args)
@@ -193,24 +191,21 @@ def cmd_run(args) -> int:
     print(f"{n} requests, prompts of {min(map(len, prompts))}..{max(map(len, prompts))} "
           f"tokens, {args.max_tokens} new tokens each" + (
               f", Poisson arrivals at {qps:g} req/s over {arrivals[-1]:.1f} s" if qps else ""))
-    rec, executor, failed = RunRecorder(time.perf_counter), llm.executor.name, None
-    device = str(llm.executor.device)  # resolved: "cpu" or "cuda", not the config's "auto"
 
     def on_microbatch(mb, out):
-        rec(mb, out)
         if not args.quiet:
             print(describe_microbatch(mb, out), flush=True)
 
-    t1 = time.perf_counter()
-    try:
-        outputs = llm.generate(prompts, params, on_microbatch=on_microbatch, arrival_s=arrivals)
-    except (ExecutorFailed, KeyboardInterrupt) as exc:  # a dead worker; Ctrl-C or SIGTERM
-        if not hasattr(exc, "outputs"):  # interrupted before the requests were added
+    try:  # the partial-result rule: engine/llm.run_requests
+        run = run_requests(llm, prompts, params, arrivals, on_microbatch)
+        failed = run.failure  # a dead worker, not recovered: the report first, then raised
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM
+        if not hasattr(exc, "result"):  # interrupted before the requests were added
             raise
-        outputs, failed = exc.outputs, exc
+        run, failed = exc.result, exc
     finally:
         llm.shutdown()
-    elapsed = time.perf_counter() - t1
+    outputs, elapsed = run.requests, run.run_wall_s
     print(f"\n{'req':>4} {'prompt':>6} {'output':>6} {'finish':>7} {'ttft_s':>7} first tokens")
     for o in outputs:
         ttft = "-" if o.first_token_s is None else f"{o.first_token_s:7.2f}"
@@ -219,11 +214,9 @@ def cmd_run(args) -> int:
     n_out = sum(len(o.token_ids) for o in outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     out_dir = Path(args.out or f"runs/run-{m.name}-{cfg.planner.planner}")
-    stopped = stopped_by(failed)
+    stopped = run.interrupted_by
     with report_kept(out_dir):  # a signal now waits for the report, then exits 130 / 143
-        report = write_report(RunResult(cfg, executor, outputs, [rec], elapsed, device=device,
-                                        interrupted_by=stopped,
-                                        recoveries=llm.recoveries(since=t1)), out_dir)
+        report = write_report(run, out_dir)
     print(f"\n{n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s "
           f"({(n_in + n_out) / elapsed:.0f} tok/s); {'partial ' * bool(stopped)}reports and "
           f"plots in {out_dir}/")

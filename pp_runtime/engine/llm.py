@@ -192,12 +192,29 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
                  generated: Mapping[int, Sequence[int]] | None = None) -> RunResult:
     """cfg's workload on the real runtime (random token ids of the workload's lengths, each
     request generating exactly its output length): the counterpart of `simulate(cfg)`,
-    with the same report. `generated`: as `LLM.generate`'s, by workload index. A failed run still returns its result, with error requests; an
-    interrupted one re-raises with its partial result attached (`exc.result`)."""
-    from pp_runtime.telemetry.recorder import RunRecorder
-
+    with the same report; `run_requests` says what a failed or interrupted run returns.
+    `generated`: as `LLM.generate`'s, by workload index."""
     specs, prompts, params = workload_requests(cfg)
     check_horizon([s.arrival_s for s in specs])  # before any worker starts
+    llm = LLM(cfg, checkpoint=checkpoint, executor=executor)
+    try:
+        return run_requests(llm, prompts, params, [s.arrival_s for s in specs], on_microbatch,
+                            generated)
+    finally:
+        llm.shutdown()
+
+
+def run_requests(llm: LLM, prompts, params, arrival_s: Sequence[float] | None = None,
+                 on_microbatch: driver.OnMicroBatch | None = None,
+                 generated: Mapping[int, Sequence[int]] | None = None) -> RunResult:
+    """The requests through `llm`, recorded, as the run's result (the one home of the
+    partial-result rule): a run whose executor failed still returns its result, with its
+    unfinished requests in error, `interrupted_by` "worker failure" and the error as
+    `failure`; an interrupted one (Ctrl-C, SIGTERM) re-raises with its partial result
+    attached (`exc.result`). The config reported holds the layer split that ran."""
+    from pp_runtime.core.interrupt import signal_name
+    from pp_runtime.telemetry.recorder import RunRecorder
+
     rec = RunRecorder(time.perf_counter)
 
     def record(mb, out):
@@ -205,25 +222,21 @@ def run_workload(cfg: Config, checkpoint: str | Path | None = None,
         if on_microbatch:
             on_microbatch(mb, out)
 
-    llm = LLM(cfg, checkpoint=checkpoint, executor=executor)
     name, device, t0 = llm.executor.name, str(llm.executor.device), time.perf_counter()
     ran = getattr(llm.executor, "layer_split", None)  # what the workers hold (Ray reports it)
-    cfg = cfg.with_overrides(layer_split=list(ran)) if ran else llm.config.with_layer_split_resolved()
+    cfg = (llm.config.with_overrides(layer_split=list(ran)) if ran
+           else llm.config.with_layer_split_resolved())
+    failure = None
     try:
-        outputs = llm.generate(prompts, params, record, [s.arrival_s for s in specs],
-                               generated)
+        outputs = llm.generate(prompts, params, record, arrival_s, generated)
     except driver.ExecutorFailed as exc:
-        outputs, stopped = exc.outputs, "worker failure"
-    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM: the caller writes the partial report
+        outputs, failure = exc.outputs, exc
+    except KeyboardInterrupt as exc:  # the caller writes the partial report
         if hasattr(exc, "outputs"):
-            from pp_runtime.core.interrupt import signal_name
             exc.result = RunResult(cfg, name, exc.outputs, [rec], time.perf_counter() - t0,
-                                   device=device, interrupted_by=signal_name(exc))
+                                   device=device, interrupted_by=signal_name(exc),
+                                   recoveries=llm.recoveries(since=t0))
         raise
-    else:
-        stopped = None
-    finally:
-        recoveries = llm.recoveries(since=t0)
-        llm.shutdown()
     return RunResult(cfg, name, outputs, [rec], time.perf_counter() - t0, device=device,
-                     interrupted_by=stopped, recoveries=recoveries)
+                     interrupted_by="worker failure" if failure else None,
+                     recoveries=llm.recoveries(since=t0), failure=failure)

@@ -42,6 +42,8 @@ class RunResult:
     interrupted_by: str | None = None
     # each recovery in place (engine/recovery.Recovery.as_dict, at_s from the run's start)
     recoveries: list[dict] | None = None
+    # the executor's failure, not written: `pp-runtime run` raises it after the report
+    failure: BaseException | None = None
 
 
 def _hardware(cfg: Config) -> str:

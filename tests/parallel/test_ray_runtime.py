@@ -22,7 +22,7 @@ from pp_runtime.config import load_config  # noqa: E402
 from pp_runtime.core.driver import ExecutorFailed  # noqa: E402
 from pp_runtime.core.errors import ConfigError, WorkerFailed  # noqa: E402
 from pp_runtime.executors.ray_executor import ray_device  # noqa: E402
-from pp_runtime.engine.llm import run_workload  # noqa: E402
+from pp_runtime.engine.llm import run_requests, run_workload  # noqa: E402
 from pp_runtime.telemetry.report import build_report  # noqa: E402
 from pp_runtime.core.net import free_port  # noqa: E402
 
@@ -218,7 +218,8 @@ def test_every_stage_actor_and_call_is_named_in_the_state_api(local_ray):
 
 
 def _run_with_fault(inject, **overrides):
-    """With recovery off (tests/executors/test_recovery.py: with it on)."""
+    """With recovery off (tests/executors/test_recovery.py: with it on), through the
+    partial-result rule (`run_requests`): the failed run's result, every request ended."""
     llm = LLM(tiny(recovery_attempts=0, **overrides))
     actors = list(llm.executor.actors)
     prompts = [[1 + i] * 30 for i in range(4)]
@@ -230,15 +231,16 @@ def _run_with_fault(inject, **overrides):
             inject(actors)
 
     t0 = time.perf_counter()
-    with pytest.raises(ExecutorFailed) as err:
-        llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True),
-                     on_microbatch=on_microbatch)
+    run = run_requests(llm, prompts, SamplingParams(max_tokens=40, ignore_eos=True),
+                       on_microbatch=on_microbatch)
     elapsed = time.perf_counter() - t0
+    assert isinstance(run.failure, ExecutorFailed) and run.interrupted_by == "worker failure"
     assert llm.executor is None  # torn down
-    outs = err.value.outputs
+    llm.shutdown()
+    outs = run.requests
     assert len(outs) == 4 and all(o.finish_reason is not None for o in outs)
     assert any(o.finish_reason == "error" and o.error for o in outs)
-    return str(err.value), elapsed, actors
+    return str(run.failure), elapsed, actors
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["tasks", "graph"])
