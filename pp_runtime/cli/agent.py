@@ -17,11 +17,19 @@ starts that store through `env://`, on every interface).
 
 This patches two private places of torch (checked at start: a torch without them stops
 here rather than listen everywhere). docs/distributed.md says what listens where.
+
+A third patch, for recovery (docs/recovery.md): when the agent stops its workers (a restart,
+or the job's end) it signals each worker's process group and waits up to 30 s before
+SIGKILL; a worker stopped with SIGSTOP (a hang) never takes that SIGTERM, so every such
+restart waited the full 30 s. Here the SIGTERM is followed by SIGCONT: the stopped worker
+resumes, takes the SIGTERM and exits at once. Without that place in torch, nothing changes
+but the wait.
 """
 from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import socket
 import sys
 
@@ -95,12 +103,41 @@ def patch_torch() -> None:
     DynamicRendezvousHandler._create_tcp_store_server = _bootstrap_store
 
 
+def _handler_class():
+    """torch's SubprocessHandler (one worker process under the agent), or None."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+    except ImportError:
+        return None
+    cls = getattr(subprocess_handler, "SubprocessHandler", None)
+    return cls if cls is not None and hasattr(cls, "close") else None
+
+
+def patch_stop() -> None:
+    """The agent's signal to a worker's process group is followed by SIGCONT (module doc)."""
+    cls = _handler_class()
+    if cls is None or getattr(cls.close, "continues", False) or not hasattr(os, "killpg"):
+        return
+    close = cls.close
+
+    def close_and_continue(self, death_sig=None) -> None:
+        close(self, death_sig)
+        if death_sig != signal.SIGKILL:
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped worker takes its signal
+            except (ProcessLookupError, PermissionError):
+                pass
+    close_and_continue.continues = True
+    cls.close = close_and_continue
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = check_args(sys.argv[1:] if argv is None else argv)
     if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
         sys.exit("error: unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with it rank 0's worker "
                  "starts the bootstrap store itself, on every interface")
     patch_torch()
+    patch_stop()
     torchrun.main(argv)
 
 
