@@ -94,7 +94,7 @@ def test_a_stopped_rank_is_given_up_after_the_step_timeout_and_the_run_resumes(t
     exits at once instead of after torch's 30 s wait for SIGKILL."""
     r = agent(tmp_path, "rank=1,after_mb=8,mode=stop")
     check_healed(r, tmp_path, reference())
-    assert "rank 0: the pipeline broke (RuntimeError: rank 1 (stage 1), micro-batch " in r.stderr  # 7 or 8: what rank 0 waits on when the stop lands
+    assert "rank 0: the pipeline broke (RuntimeError: rank 1 (stage 1), micro-batch " in r.stderr  # its number: where rank 0 waits when the stop lands
     assert "Timed out waiting 10000ms" in r.stderr
     assert r.wall_s < 40, r.wall_s  # 10 s step timeout + restart (~25 s); not + 30 s to SIGKILL
 
