@@ -64,13 +64,11 @@ def measure(cfg: Config, replicas: int, bound_qps: float, out: Path, log=print) 
     """Serve `replicas` of cfg (one replica's config, its layout's calibration in its
     profile) side by side, each at SHARE x `bound_qps` (one replica's bound); save and
     return the calibration scaled by measured / simulated stage compute."""
-    from pp_runtime.bench.capacity import ServerProcess
-    from pp_runtime.core.net import free_port
     from pp_runtime.costmodel.model import find_calibration
     from pp_runtime.plan.report import dump_config
     from pp_runtime.plan.probe import SPAN_TTFTS
     from pp_runtime.plan.search import Slo
-    from pp_runtime.plan.validate import real_probe
+    from pp_runtime.plan.validate import real_probe, serving
 
     base = find_calibration(cfg)
     if base is None:
@@ -79,19 +77,11 @@ def measure(cfg: Config, replicas: int, bound_qps: float, out: Path, log=print) 
     mine = streams(cfg.with_overrides(**{"workload.num_requests": 1}), replicas, qps)
     path = dump_config(mine[0], replicas, out / f"shared-x{replicas}.yaml",
                        f"pp-runtime plan: {replicas} replicas served side by side")
-    servers = [ServerProcess(["--config", str(path), "--no-prefix-cache"], free_port(),
-                             out / f"shared-x{replicas}-server{i}.log") for i in range(replicas)]
-    started = []
-    try:
-        for s in servers:
-            started.append(s.__enter__())
-        before = [stage_busy_s(s.url) for s in started]
+    with serving(path, replicas, out, f"shared-x{replicas}") as urls:
+        before = [stage_busy_s(u) for u in urls]
         slo = Slo(SPAN_S / SPAN_TTFTS, 1e9)  # real_probe's length: SPAN_S; its answer unused
-        real_probe([s.url for s in started], mine[0], slo, log=lambda line: None)(qps * replicas)
-        measured = [stage_busy_s(s.url) - b for s, b in zip(started, before)]
-    finally:
-        for s in started:
-            s.stop()
+        real_probe(urls, mine[0], slo, log=lambda line: None)(qps * replicas)
+        measured = [stage_busy_s(u) - b for u, b in zip(urls, before)]
     priced = [simulated_busy_s(c.with_overrides(**{"parallel.dp": 1})) for c in mine]
     factor = sum(measured) / sum(priced)
     log(f"    {replicas} replicas at {qps:.3f} req/s each, {mine[0].workload.num_requests} requests: "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,26 +66,28 @@ def real_probe(urls: list[str], cfg: Config, slo: Slo, log):
     return probe
 
 
+@contextmanager
+def serving(config: Path, replicas: int, out: Path, name: str):
+    """`replicas` servers of one config file, started side by side on 127.0.0.1 (their
+    logs `out/{name}-server{i}.log`); yields their URLs and stops every one that started."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(ServerProcess(["--config", str(config), "--no-prefix-cache"],
+                                                 free_port(), out / f"{name}-server{i}.log")).url
+               for i in range(replicas)]
+
+
 def measure(name: str, cfg: Config, replicas: int, slo: Slo, start: float, out: Path, log) -> float:
     """Capacity of `replicas` servers of cfg, for real (req/s over all of them)."""
     from pp_runtime.plan.report import dump_config
 
     path = dump_config(cfg, replicas, out / f"{name}.yaml", f"validated by pp-runtime plan: {name}")
-    servers = [ServerProcess(["--config", str(path), "--no-prefix-cache"], free_port(),
-                             out / f"{name}-server{i}.log") for i in range(replicas)]
-    started = []
-    try:
-        for s in servers:
-            started.append(s.__enter__())
-        probe = real_probe([s.url for s in started], cfg, slo, log)
+    with serving(path, replicas, out, name) as urls:
+        probe = real_probe(urls, cfg, slo, log)
         n = cfg.workload.num_requests
         lo, hi = n / 600.0, max(n, MAX_REAL_REQUESTS) / (SPAN_TTFTS * slo.ttft_s)
         cap = capacity_search(probe, min(max(start, lo), hi), 2 * REL_TOL, MAX_REAL_PROBES,
                               max_qps=hi, min_qps=lo)
         return cap.qps
-    finally:
-        for s in started:
-            s.stop()
 
 
 def validate(args, rank: list[Result], configs: dict, slo: Slo, out: Path) -> int:
