@@ -1,7 +1,9 @@
-"""A fake pipeline for planner tests: pure Python, `depth` micro-batches in flight."""
-from collections import deque
+"""Planner tests' pipeline: the runtime's driver loop over a scripted executor, pure Python,
+`depth` micro-batches in flight."""
+from dataclasses import replace
 
 from pp_runtime.core.batch import SampledTokens
+from pp_runtime.core.driver import run
 from pp_runtime.config import Config
 from pp_runtime.planner import make_planner
 from pp_runtime.core.request import Request, SamplingParams
@@ -20,23 +22,48 @@ def add(p, rid, prompt_len, max_tokens, arrival=0.0):
                   seed=0, arrival_s=arrival))
 
 
+class Scripted:
+    """The executor `drive` runs: `token(rid, step)` is each sampling row's token, and the
+    clock ticks 1 per micro-batch as its result comes back."""
+
+    name, device, path = "scripted", "none", ""
+
+    def __init__(self, p, token):
+        self.p, self.token, self.now = p, token, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:  # idle until the next arrival
+        self.now += max(0.0, seconds)
+
+    def submit(self, mb):
+        return mb
+
+    def wait(self, mb) -> SampledTokens:
+        self.now += 1.0
+        return SampledTokens(mb.mb_id, {
+            s.request_id: self.token(s.request_id, len(self.p.requests[s.request_id].output_token_ids))
+            for s in mb.seqs if s.sampling})
+
+    def describe(self) -> str:
+        return "scripted"
+
+    def shutdown(self) -> None:
+        pass
+
+
 def drive(p, depth: int, token=lambda rid, step: 1, max_steps=100_000):
-    """Run the planner against a pipeline `depth` deep; the clock ticks 1 per micro-batch.
-    `token(rid, step)` is the sampled token. Returns every micro-batch, in order."""
-    in_flight, log, now = deque(), [], 0.0
-    while p.has_work():
-        while len(in_flight) < depth and (mb := p.schedule(now)) is not None:
-            in_flight.append(mb)
-            log.append(mb)
-        if not in_flight:
-            now = p.next_arrival_s()
-            continue
-        mb = in_flight.popleft()
-        now += 1.0
-        sampled = {s.request_id: token(s.request_id, len(p.requests[s.request_id].output_token_ids))
-                   for s in mb.seqs if s.sampling}
-        p.on_result(mb, SampledTokens(mb.mb_id, sampled), now)
+    """Run the planner through the runtime's own loop (`core.driver.run`) against a pipeline
+    `depth` deep whose clock ticks 1 per micro-batch; `token(rid, step)` is the sampled
+    token. Returns every micro-batch submitted, in order."""
+    ex, log = Scripted(p, token), []
+
+    def submitted(mb):
+        log.append(replace(mb, idle_before_s=0.0))  # as the planner made it (the loop stamps idle)
         assert len(log) < max_steps, "planner does not finish"
+
+    run(p, ex, depth, clock=ex.clock, sleep=ex.sleep, on_submit=submitted)
     return log
 
 
