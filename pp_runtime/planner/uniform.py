@@ -23,7 +23,10 @@ at the knee. Each micro-batch:
      more per token than the micro-batch does on average (`overhang`): a partly filled
      tile costs nearly a whole one.
 Rows are bounded by KV pages and by time, not by a hand count:
-  - admission (FCFS) takes a request when the pages of its prompt are free beyond a share
+  - admission takes arrived requests first come first served under a latency target; with
+    none (the makespan), least slack first: longest first among requests arriving together,
+    so the longest decode tails start first instead of ending the run alone (`order.py`);
+  - admission takes a request when the pages of its prompt are free beyond a share
     (`RESERVE`) of the growth the running requests still owe (their expected output:
     `max_tokens` times the share finished requests used);
   - with a TBT target, admission also stops at the rows the period holds: depth x the
@@ -47,6 +50,7 @@ from pp_runtime.core.request import Request
 from pp_runtime.planner.base import UNBOUNDED_ROWS, BasePlanner
 from pp_runtime.planner.budget import MARGIN, PipelineClock, TimeBudget
 from pp_runtime.planner.cost import CostModel
+from pp_runtime.planner.order import SlackOrder
 
 MAX_PACKED = 16  # prefill chunks in one micro-batch, at most
 QUEUE_LOOKAHEAD = 8  # waiting requests whose TTFT deadlines set the prefill share
@@ -84,6 +88,21 @@ class UniformPlanner(BasePlanner):
         self.returning: dict[int, int] = {}  # request id -> mb_id bringing its next token
         self.carrying: dict[int, int] = {}  # mb_id -> requests in `returning` it brings
         self.urgent = 0  # prompt tokens this micro-batch needs for the queue's TTFT target
+        batch = not self.bounded and pl.ttft_slo_ms is None  # no target: for the makespan
+        self.order = (SlackOrder(self.waiting, self.rounds, self.depth * self.budget.knee_s)
+                      if batch else None)  # arrived requests longest first (planner/order.py)
+
+    def add(self, req: Request) -> None:
+        super().add(req)
+        if self.order is not None:
+            self.order.add(req)
+
+    def rounds(self, r: Request) -> float:
+        """Rounds through the pipeline `r` needs from admission: one per token it may make
+        (its `max_tokens`, within the context), and its prompt's chunks at the knee (a round
+        carries depth of them). Fixed for a request, so the queue's order is too."""
+        made = min(r.params.max_tokens, self.seq_len - r.prompt_len)
+        return made + r.prefill_len / (self.top * self.depth)
 
     # ---- admission ---------------------------------------------------------------------
     def expected_len(self, r: Request) -> float:
@@ -95,6 +114,8 @@ class UniformPlanner(BasePlanner):
         """FCFS while the prompt's pages are free beyond the running requests' expected
         growth, and (with a TBT target) while the rows fit the time budget."""
         waiting, running, kv = self.waiting, self.running, self.kv
+        if self.order is not None:
+            self.order.order(now)
         if not waiting or waiting[0].arrival_s > now:
             return
         if running and self.kv_short(waiting[0]):  # what the loop below would find first

@@ -3,7 +3,7 @@
 micro-batch per request (with chunk pipelining, several only as consecutive prefill chunks;
 a decode never beside its request's own chunk or token in flight), at most B sequences,
 no KV block owned twice and every block back in the pool at the end, a sequence's blocks
-cover its positions, FCFS admission, every token scheduled once and in order since the
+cover its positions, FCFS admission (`uniform` with no latency target: least slack first), every token scheduled once and in order since the
 request's last preemption (a preempted one starts again from 0), every request finished
 with a reason and the tokens it would have had without preemption."""
 import pytest
@@ -77,7 +77,14 @@ def test_policy_rules(name, work, pp, batch, chunk, tile_align, slots, eos_every
         for s in mb.seqs:
             if s.request_id not in first_seen:
                 first_seen.append(s.request_id)
-    assert first_seen == sorted(first_seen)  # FCFS: requests start in arrival order
+    order = getattr(p, "order", None)  # uniform with no latency target: least slack first
+    if order is None:
+        assert first_seen == sorted(first_seen)  # FCFS: requests start in arrival order
+    for i, early in enumerate(first_seen):  # one started before an earlier arrival: less slack
+        for late in first_seen[i + 1:]:
+            if late < early:
+                assert order is not None
+                assert order.key(p.requests[early]) < order.key(p.requests[late])
 
     for rid, (prompt, max_tokens, _) in enumerate(work):
         req = p.requests[rid]

@@ -1,12 +1,16 @@
 """`uniform` fills micro-batches to a budget from the latency target: hand-computed budgets on
 a toy cost model, rows bounded by pages and time, the TBT target held on the simulator."""
+from collections import deque
+
 import pytest
 
 from helpers import add, drive, planner
 
 from pp_runtime.config import Config, ConfigError, load_config
 from pp_runtime.core.batch import SampledTokens
+from pp_runtime.core.request import Request, SamplingParams
 from pp_runtime.planner.budget import TimeBudget, decode_floor, knee
+from pp_runtime.planner.order import SlackOrder
 from pp_runtime.planner.uniform import UniformPlanner
 
 
@@ -205,3 +209,43 @@ def test_target_ms_caps_each_microbatch_by_hand():
     p = toy(target_ms=5.0)
     add(p, 0, 10_000, 4)
     assert [s.num_tokens for s in p.schedule(0.0).seqs] == [400]
+
+
+def test_with_no_target_requests_arriving_together_start_longest_first():
+    """No latency target: the makespan. Of four prompts arriving at once, the ones that will
+    decode longest are admitted (and prefilled) first; equal ones keep their arrival order."""
+    p = toy()
+    for rid, max_tokens in enumerate([3, 10, 10, 5]):
+        add(p, rid, 40, max_tokens)
+    p.admit(0.0)
+    assert [r.request_id for r in p.running] == [1, 2, 3, 0]
+
+
+def test_a_later_arrival_passes_an_earlier_one_only_by_more_rounds_than_its_delay():
+    """Least slack first, by arrival_s - rounds x round_s (round_s 1 s here): A (t 0, 10
+    rounds, key -10) goes before B (t 5, 14 rounds, key -9), after C (t 5, 16 rounds, key
+    -11); a preempted request at the head stays first; requests not arrived are not moved."""
+    waiting = deque()
+    order = SlackOrder(waiting, lambda r: r.params.max_tokens, 1.0)
+    reqs = {name: Request(i, [1] * 8, SamplingParams(max_tokens=m), seed=0, arrival_s=t)
+            for i, (name, m, t) in enumerate([("A", 10, 0.0), ("B", 14, 5.0), ("C", 16, 5.0),
+                                              ("D", 99, 9.0)])}
+    for r in reqs.values():
+        waiting.append(r)
+        order.add(r)
+    back = Request(9, [1] * 8, SamplingParams(max_tokens=1), seed=0)
+    back.num_preemptions = 1
+    waiting.appendleft(back)
+    order.order(5.0)
+    names = {id(r): n for n, r in reqs.items()} | {id(back): "preempted"}
+    assert [names[id(r)] for r in waiting] == ["preempted", "C", "A", "B", "D"]
+
+
+@pytest.mark.parametrize("target", [{"tbt_slo_ms": 1e3}, {"ttft_slo_ms": 1e3}])
+def test_with_a_latency_target_the_queue_stays_first_come_first_served(target):
+    p = toy(**target)
+    assert p.order is None
+    for rid, max_tokens in enumerate([3, 10, 10, 5]):
+        add(p, rid, 40, max_tokens)
+    p.admit(0.0)
+    assert [r.request_id for r in p.running] == [0, 1, 2, 3]
