@@ -54,7 +54,7 @@ def test_overrides_reach_every_section_and_keep_the_rest():
     # q/k norms included
     ("llama3.1-8b", 32, 4096, 32, 8.03), ("llama3.1-70b", 80, 8192, 64, 70.55),
     ("qwen2.5-72b", 80, 8192, 64, 72.71), ("qwen3-32b", 64, 5120, 64, 32.76),
-    ("mistral-7b", 32, 4096, 32, 7.24),
+    ("mistral-7b", 32, 4096, 32, 7.24), ("llama-cpu-300m", 8, 1536, 12, 0.2997),
 ])
 def test_shipped_model_configs_have_the_papers_shapes(name, layers, hidden, heads, billions):
     m = load_model_config(name)
@@ -81,7 +81,7 @@ def test_yaml_config_with_preset_and_unknown_keys(tmp_path):
 def test_every_shipped_config_loads():
     from pp_runtime.config import CONFIG_DIR
 
-    paths = sorted(CONFIG_DIR.glob("*.yaml")) + sorted(CONFIG_DIR.glob("paper/*.yaml"))
+    paths = [p for sub in ("", "paper/", "cpu/") for p in sorted(CONFIG_DIR.glob(f"{sub}*.yaml"))]
     assert paths
     for path in paths:
         load_config(path)

@@ -113,7 +113,7 @@ def test_simulator_names_the_paper_b_when_the_batch_is_too_big():
         check_memory(load_config("paper/gpt3_tp8", max_batch_size=12))
 
 
-@pytest.mark.parametrize("name", ["default", "tiny", "cpu/gpt2_pp2", "cpu/gpt2_tp2_pp2",
+@pytest.mark.parametrize("name", ["default", "tiny", "cpu/gpt2_pp2", "cpu/gpt2_tp2_pp2", "cpu/llama_pp2",
                                   "paper/gpt3_tp8", "paper/gpt3_tp8_pp8"])
 def test_every_shipped_deployment_fits(name):
     check_memory(load_config(name))
