@@ -139,8 +139,9 @@ def test_the_outage_lasts_until_every_stream_it_cut_has_its_next_token():
 
 def test_the_killer_notes_each_ray_title_change_during_a_recovery(monkeypatch):
     names = {11: "ray::StageActor", 12: "python -m something"}
-    monkeypatch.setattr(faults, "tree", lambda pid: [pid, 11, 12])
-    monkeypatch.setattr(faults, "title", lambda pid: names[pid])
+    procs = sys.modules["faults_procs"]  # where the Killer looks processes up
+    monkeypatch.setattr(procs, "tree", lambda pid: [pid, 11, 12])
+    monkeypatch.setattr(procs, "title", lambda pid: names[pid])
     killer = faults.Killer(1, args(), faults.Health("http://127.0.0.1:1"))
     f, titles = faults.Fault(1, 30.0, 0, 10, t=0.0), {}
     killer.watch(f, titles)

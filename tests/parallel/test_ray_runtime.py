@@ -194,7 +194,9 @@ def test_every_stage_actor_and_call_is_named_in_the_state_api(local_ray):
         assert [n.rsplit("-", 2)[1:] for n in ns] == [["s0", "tp0"], ["s1", "tp0"]]
         assert ns[0].startswith("pp-tiny-gpt-tp1xpp2-")
     assert not set(names[0]) & set(names[1])  # each executor has its own id
-    deadline, want = time.monotonic() + 30, set(names[0] + names[1])
+    # the state API lists actors and task events late on a loaded machine (30 s was too
+    # short once at load ~5): a poll that ends as soon as they are there
+    deadline, want = time.monotonic() + 120, set(names[0] + names[1])
     api = dict(address=local_ray)  # this Ray's dashboard, not a head another run left behind
     while True:  # task events reach the state API within about a second
         alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, **api)
