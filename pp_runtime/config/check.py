@@ -206,6 +206,8 @@ def _check_runtime(rt, p) -> None:
     _check(isinstance(rt.compiled_graph, bool) or rt.compiled_graph == "auto",
            "runtime.compiled_graph", f"unknown value {rt.compiled_graph!r}",
            "use auto, true or false")
+    _check(isinstance(rt.token_hop, bool) or rt.token_hop == "auto",
+           "runtime.token_hop", f"unknown value {rt.token_hop!r}", "use auto, true or false")
     _check(rt.kv_layout in ("auto", "heads", "tokens"), "runtime.kv_layout",
            f"unknown layout {rt.kv_layout!r}", "use auto, heads or tokens")
     _check(rt.step_timeout_s > 0 and rt.startup_timeout_s > 0, "runtime.step_timeout_s",

@@ -228,6 +228,11 @@ class RuntimeConfig:
     #                         not tp * pp); opt-in: on this 2-core machine it cut the driver's
     #                         submit but lengthened every stage's gap between calls
     #                         (docs/distributed.md)
+    token_hop: bool | str = "auto"  # pp > 1: the last stage sends each sampled id straight
+    #                         to stage 0 and the driver plans decodes ahead with placeholders
+    #                         (docs/distributed.md, "Tokens skip the driver"); "auto": on for
+    #                         ray's task-per-actor path (tp = 1) and torchrun, off elsewhere
+    #                         (the local executor, the compiled graph, the TP relay, tp > 1, sim)
     # CPU fast paths (docs/performance.md); neither changes anything on CUDA
     prepack: bool = True  # linear layers on prepacked oneDNN weights (CPU, float32/bfloat16,
     #                       tp = 1 layers; results differ from plain torch by fp32 rounding)

@@ -7,7 +7,7 @@ tokens into one [num_tokens, hidden] tensor, in this order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,10 @@ class MicroBatch:
     # set by the driver: seconds just before this micro-batch with no arrived, unfinished
     # request anywhere (a duration, so every stage can use it on its own clock; bubbles.md)
     idle_before_s: float = 0.0
+    # the token hop (docs/distributed.md): (index in `seqs`, id of the micro-batch whose
+    # sample is this decode's input) for each decode planned before its input token came
+    # back; such a decode's `token_ids` is (PLACEHOLDER,) until stage 0 fills it in
+    placeholders: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +75,31 @@ class MicroBatch:
     @property
     def num_decodes(self) -> int:
         return sum(1 for s in self.seqs if s.is_decode)
+
+
+PLACEHOLDER = -1  # a decode's input id not known when it was planned (MicroBatch.placeholders)
+
+
+def sampling_ids(mb: MicroBatch) -> list[int]:
+    """The request ids of the sequences that sample, in plan order: the order the last
+    stage sends its sampled ids to stage 0 in (the token hop's message)."""
+    return [s.request_id for s in mb.seqs if s.sampling is not None]
+
+
+def fill_placeholders(mb: MicroBatch, tokens: "Callable[[int, int], int]") -> MicroBatch:
+    """`mb` with every placeholder decode's input id filled in: `tokens(src_mb_id,
+    request_id)` is the id micro-batch `src_mb_id` sampled for that request (the one
+    place a placeholder is resolved: stage 0 of every executor)."""
+    if not mb.placeholders:
+        return mb
+    seqs = list(mb.seqs)
+    for i, src in mb.placeholders:
+        s = seqs[i]
+        if s.token_ids != (PLACEHOLDER,):
+            raise ValueError(f"micro-batch {mb.mb_id}: sequence {i} (request {s.request_id}) "
+                             f"is not a placeholder decode: {s.token_ids}")
+        seqs[i] = replace(s, token_ids=(tokens(src, s.request_id),))
+    return replace(mb, seqs=tuple(seqs), placeholders=())
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,12 @@ class Engine:
                  sleep: Callable[[float], None] | None = None):
         self.cfg, self.clock, self.max_waiting = cfg, clock, max_waiting
         self._sleep, self._thread_init = sleep, thread_init
-        self._planner = make_planner(cfg)
+        # the token hop (runtime.token_hop, resolved by the executor): the planner plans
+        # decodes ahead, and one more micro-batch is in flight, already at stage 0 when the
+        # token it waits for arrives (docs/distributed.md, "Tokens skip the driver")
+        self._hop = bool(getattr(executor, "token_hop", False))
+        self._planner = self._new_planner()
+        self.depth = cfg.in_flight + (1 if self._planner.ahead else 0)
         self._intake = Intake(max_waiting, self._end, clock, sleep)
         self._watchers: list[Watcher] = []
         self._watch_lock = threading.Lock()
@@ -183,7 +188,7 @@ class Engine:
             self._thread_init()
         while True:
             try:
-                driver.run(self._planner, self._executor, self.cfg.in_flight, self.clock,
+                driver.run(self._planner, self._executor, self.depth, self.clock,
                            self._on_microbatch, self._sleep or time.sleep, intake=self._intake,
                            keep_on_failure=self._recoverable, on_submit=self._on_submit,
                            on_collect=self.metrics.on_collect)
@@ -199,7 +204,7 @@ class Engine:
             except Exception as exc:  # a bug above the executor: the pipeline is still good
                 log.exception("engine loop error; its requests end with error")
                 self._end_all(f"{type(exc).__name__}: {exc}", only_planned=True)
-                self._planner = make_planner(self.cfg)  # abort_all kept the slots
+                self._planner = self._new_planner(self._planner)  # abort_all kept the slots
 
     def _recover(self, exc: driver.ExecutorFailed) -> driver.ExecutorFailed | None:
         """Replace the workers (`executor.recover()`) and hand every unfinished request to
@@ -210,7 +215,7 @@ class Engine:
         log.warning("stage worker failure: %s; recovering", first_line(exc))
         requests = self._planner.unfinished()
         tokens = sum(r.num_computed for r in requests)
-        self._planner = make_planner(self.cfg)
+        self._planner = self._new_planner(self._planner)
         self._planner.adopt(requests)
         self.recovering, attempts, cause = True, 0, exc
         self.metrics.set_recovering(True)
@@ -242,6 +247,15 @@ class Engine:
                     r.seconds, attempts, "".join(f", {k} {v:.1f} s" for k, v in (phases or {}).items()),
                     r.requests, r.tokens)
         return None
+
+    def _new_planner(self, before=None):
+        """A planner for this engine's executor (planning ahead with the token hop); after
+        `before` it numbers micro-batches on from it (the workers may be the same)."""
+        planner = make_planner(self.cfg)
+        planner.plan_ahead(self._hop)
+        if before is not None:
+            planner.continue_from(before)
+        return planner
 
     def _end_all(self, error: str, only_planned: bool = False) -> None:
         """End open requests with `error`: those the planner held (the driver already

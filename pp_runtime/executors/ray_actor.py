@@ -130,6 +130,8 @@ class StageActor(RelayMember):
             return
         if self.relay is not None:
             self.relay.flush()
+        if self.worker is not None:  # every rank is asked at once: stage 0 takes what the
+            self.worker.close_hop()  # last stage still sends (parallel/p2p.TokenHop.close)
         if self.worker is not None and self.worker.link is not None:
             self.worker.link.flush()
         destroy()

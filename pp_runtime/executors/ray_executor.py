@@ -56,6 +56,7 @@ from pathlib import Path
 from pp_runtime.core.batch import MicroBatch, SampledTokens, assemble
 from pp_runtime.config import Config
 from pp_runtime.core.errors import ConfigError, WorkerFailed
+from pp_runtime.executors import token_hop_on
 from pp_runtime.executors.local_ray import shutdown_ray, start_ray
 from pp_runtime.executors.ray_actor import stage_actor_class
 from pp_runtime.executors.ray_graph import graph_on, local_cores
@@ -83,6 +84,7 @@ class RayExecutor:
         self.ranks.cancel = cancel  # while starting: set = stop waiting, from any thread
         self.actors, self._pgs = self.ranks.actors, []  # what _release frees
         self.transport: Transport = TaskPath(self.ranks)  # chosen in `_start`
+        self.token_hop = False  # runtime.token_hop, resolved in `_start` (executors.token_hop_on)
         # an executor dropped without shutdown() still frees its actors when collected
         self._finalizer = weakref.finalize(self, _release, self.actors, self._pgs, False)
         try:
@@ -114,6 +116,7 @@ class RayExecutor:
                                f"{rt.startup_timeout_s} s; is the cluster big enough?") from None
         graph = graph_on(cfg, self.device, ray.cluster_resources(), local_cores(ray))
         self.transport = choose(self.ranks, cfg, graph)  # the one decision of the path
+        self.token_hop = token_hop_on(cfg, self.transport.path or "ray")  # the workers get it
         # off the graph, probes answer from a concurrency group of their own while a rank
         # waits inside `execute`: a hang is named by progress, not by which result is late
         self.ranks.controlled = self.transport.concurrency_groups
@@ -126,7 +129,8 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cfg, rt, pg, ranks = self.cfg, self.cfg.runtime, self._pgs[0], self.ranks
-        staged = cfg.with_layer_split_resolved()  # "auto" chosen here once, sent as a list
+        staged = cfg.with_layer_split_resolved().with_overrides(  # "auto" chosen here once,
+            **{"runtime.token_hop": self.token_hop})  # both sent as what every rank runs
         gpus = 1 if self.device == "cuda" else 0
         actor_cls = stage_actor_class(self.ray, ranks.controlled)
         prefix = f"pp-{deployment_tag(cfg)}-{uuid.uuid4().hex[:6]}"  # unique per executor

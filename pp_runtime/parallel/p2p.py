@@ -30,6 +30,8 @@ creating NCCL's communicators does not land in the first micro-batch's wait.
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 
@@ -127,3 +129,87 @@ def warm_up(groups: StageGroups, device: torch.device) -> list[str]:
             torch.cuda.synchronize(device)
         done.append(f"send to {groups.next_rank}")
     return done
+
+
+class TokenHop:
+    """The token hop (docs/distributed.md, "Tokens skip the driver"): the last stage's TP
+    rank 0 sends each sampling micro-batch's ids straight to stage 0, whose ranks each
+    receive their own copy, so a decode planned before its token came back
+    (`MicroBatch.placeholders`) needs no round trip through the driver.
+
+    One message per micro-batch that samples, in micro-batch order: int64 [mb id, one id per
+    sampling sequence in plan order (`core.batch.sampling_ids`)], on a group of its own
+    (stage 0's ranks and the last stage's TP rank 0), so that on NCCL the hop never queues
+    behind the activations on the same pair's stream. Stage 0 knows which micro-batches
+    sample (it ran them first), so no size message is needed, and it receives lazily: a
+    micro-batch's placeholders pull messages in order until the one they name is in; the
+    messages of micro-batches older than `horizon` (`cfg.in_flight`: their results are
+    back at the driver, so they were sent) are taken and dropped, so none piles up. Every
+    rank creates the group, in the same order (`StageWorker`'s constructor)."""
+
+    def __init__(self, groups: StageGroups, device: torch.device, horizon: int):
+        tp, pp = groups.tp, groups.pp
+        self.device, self.horizon = device, horizon
+        self.last, self.firsts = (pp - 1) * tp, list(range(tp))  # global ranks
+        self.group = dist.new_group([*self.firsts, self.last])
+        self.sends = groups.stage == pp - 1 and groups.tp_rank == 0
+        self.receives = groups.stage == 0
+        self.expected: deque[tuple[int, int]] = deque()  # (mb id, ids) stage 0 ran, not received
+        self.tokens: dict[int, list[int]] = {}  # mb id -> its sampled ids, received
+        self.rows: dict[int, dict[int, int]] = {}  # mb id -> request id -> index in its message
+        self._pending: list = []  # (work, tensor) of sends in flight
+
+    # ---- the last stage --------------------------------------------------------------
+    def send(self, mb_id: int, ids: list[int]) -> None:
+        """Send a micro-batch's sampled ids (plan order) to every stage-0 rank; no wait."""
+        msg = torch.tensor([mb_id, *ids], dtype=torch.long, device=self.device)  # [1 + n]
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        for dst in self.firsts:
+            self._pending.append((dist.isend(msg, dst=dst, group=self.group), msg))
+
+    # ---- stage 0 ---------------------------------------------------------------------
+    def expect(self, mb_id: int, request_ids: list[int]) -> None:
+        """Stage 0 ran micro-batch `mb_id`, whose sequences of `request_ids` sample: its
+        message will come, after those of the micro-batches before it."""
+        if request_ids:
+            self.expected.append((mb_id, len(request_ids)))
+            self.rows[mb_id] = {r: i for i, r in enumerate(request_ids)}
+
+    def token(self, src: int, request_id: int) -> int:
+        """The id micro-batch `src` sampled for `request_id`: messages are received in
+        order until src's is in (blocking: its wait is a dependency bubble)."""
+        while src not in self.tokens:
+            if not self.expected or self.expected[0][0] > src:
+                raise RuntimeError(f"token hop: stage 0 waits for micro-batch {src}'s tokens, "
+                                   f"but does not expect them (next expected: "
+                                   f"{self.expected[0][0] if self.expected else None})")
+            self._receive()
+        return self.tokens[src][self.rows[src][request_id]]
+
+    def before(self, mb_id: int) -> None:
+        """Before stage 0 runs `mb_id`: take the messages no placeholder can still name
+        (micro-batches at least `horizon` older: sent already) and forget them."""
+        oldest = mb_id - self.horizon
+        while self.expected and self.expected[0][0] < oldest:
+            self._receive()
+        for old in [k for k in self.tokens if k < oldest]:
+            del self.tokens[old], self.rows[old]
+
+    def _receive(self) -> None:
+        mb_id, n = self.expected.popleft()
+        buf = torch.empty(1 + n, dtype=torch.long, device=self.device)
+        dist.recv(buf, src=self.last, group=self.group)
+        got = buf.tolist()
+        if got[0] != mb_id:
+            raise RuntimeError(f"token hop: stage 0 expected micro-batch {mb_id}'s tokens, "
+                               f"the last stage sent {got[0]}'s")
+        self.tokens[mb_id] = got[1:]
+
+    def close(self) -> None:
+        """At a clean shutdown: stage 0 takes every message still due, the last stage
+        waits until its sends were taken (both sides at once, so neither hangs)."""
+        while self.receives and self.expected:
+            self._receive()
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []

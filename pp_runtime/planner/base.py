@@ -16,13 +16,22 @@ go into the next micro-batch (`compose`); the rules below hold for all of them:
   reaches it. Consecutive chunks only; a decode still waits for its sampled token;
 - every prompt token is scheduled exactly once, in order; every request ends with a
   finish reason (length, eos, or error).
+
+Planning ahead (`plan_ahead`, on with the token hop: docs/distributed.md): a request whose
+one sampling chunk is in flight in micro-batch k may get its next decode in micro-batch
+j >= k + pp, before its token is back, with a placeholder input (`MicroBatch.placeholders`:
+stage 0 takes the id straight from the last stage). At most one such decode per request,
+never past max_tokens; it never preempts (with no block free it waits for its token). The
+policies are unchanged: while one composes, such a request looks idle (`_lend`). A request
+that ends (EOS) with a decode still in flight is finished at once; that decode's result is
+discarded and its KV blocks go back when it returns (`_draining`).
 """
 from __future__ import annotations
 
 import warnings
 from collections import deque
 
-from pp_runtime.core.batch import MicroBatch, SampledTokens, SeqChunk
+from pp_runtime.core.batch import PLACEHOLDER, MicroBatch, SampledTokens, SeqChunk
 from pp_runtime.config import Config
 from pp_runtime.planner.blocks import KVBlocks
 from pp_runtime.planner.cost import CostModel
@@ -30,6 +39,10 @@ from pp_runtime.core.request import FinishReason, Request
 
 
 UNBOUNDED_ROWS = 1 << 30  # rows of a planner with no B (slices take it: not float inf)
+PLACEHOLDER_IDS = (PLACEHOLDER,)  # a placeholder decode's token_ids
+# policies that read the counters beyond "is it in flight" (gllm: whether the prompt is
+# computed; request-level: a whole group at once): they plan as before, never ahead
+NOT_AHEAD = frozenset({"gllm", "request-level"})
 
 
 class BasePlanner:
@@ -49,6 +62,20 @@ class BasePlanner:
         self.running: list[Request] = []  # admitted, in admission order
         self.requests: dict[int, Request] = {}
         self._next_mb = 0
+        self.ahead, self.ahead_gap = False, cfg.parallel.pp  # planning ahead: `plan_ahead`
+        self._sample_mb: dict[int, int] = {}  # request -> micro-batch of its last sampling chunk
+        self._draining: dict[int, Request] = {}  # finished, a decode planned ahead in flight
+
+    def plan_ahead(self, on: bool) -> bool:
+        """Plan decodes before their input token is back (the executor's token hop carries
+        it from the last stage to stage 0); True where this policy does."""
+        self.ahead = bool(on) and self.name not in NOT_AHEAD
+        return self.ahead
+
+    def continue_from(self, other: "BasePlanner") -> None:
+        """Number micro-batches on from `other`'s (a fresh planner on the same workers:
+        stage 0 matches the token hop's messages by micro-batch id)."""
+        self._next_mb = max(self._next_mb, other._next_mb)
 
     # ---- intake ----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -58,7 +85,7 @@ class BasePlanner:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._draining)
 
     def next_arrival_s(self) -> float | None:
         """When the next waiting request arrives (None when none waits)."""
@@ -148,7 +175,9 @@ class BasePlanner:
         holds the request's block table itself: `place` may add the block this token needs."""
         pos = req.num_scheduled
         req.num_scheduled = pos + 1
-        return SeqChunk(req.request_id, req.blocks, pos, (req.token_at(pos),), req.sampling(),
+        ids = ((req.token_at(pos),) if pos < req.prompt_len + len(req.output_token_ids)
+               else PLACEHOLDER_IDS)  # planned ahead (`_lend`): stage 0 fills it in
+        return SeqChunk(req.request_id, req.blocks, pos, ids, req.sampling(),
                         True)  # is_decode, positional: a keyword costs ~0.1 us, 10^7 times
 
     @staticmethod
@@ -169,12 +198,58 @@ class BasePlanner:
     def schedule(self, now: float = 0.0) -> MicroBatch | None:
         """The next micro-batch, or None when nothing can run now."""
         self.admit(now)
+        if self.ahead:
+            return self._schedule_ahead(now)
         seqs = self.place(self.compose(now))
         if not seqs:
             return None
         mb = MicroBatch(self._next_mb, tuple(seqs))
         self._next_mb += 1
         return mb
+
+    def _schedule_ahead(self, now: float) -> MicroBatch | None:
+        """`schedule` planning ahead: the policy composes with the requests `_lend` lets
+        look idle; each placeholder decode names the micro-batch its input comes from."""
+        mb_id = self._next_mb
+        lent = self._lend(mb_id)
+        try:
+            seqs = self.compose(now)
+        finally:
+            for req, computed in lent:
+                req.num_computed = computed
+        seqs = self.place(seqs)
+        if not seqs:
+            return None
+        sample_mb = self._sample_mb
+        holes = tuple((i, sample_mb[s.request_id]) for i, s in enumerate(seqs)
+                      if s.token_ids == PLACEHOLDER_IDS)
+        for s in seqs:
+            if s.sampling is not None:
+                sample_mb[s.request_id] = mb_id
+        self._next_mb += 1
+        return MicroBatch(mb_id, tuple(seqs), placeholders=holes)
+
+    def _lend(self, mb_id: int) -> list[tuple[Request, int]]:
+        """Requests that may get a decode in micro-batch `mb_id` before their token is
+        back, made to look idle (computed = scheduled) while the policy composes; returns
+        each with its real computed count. Eligible: the prompt all scheduled, exactly one
+        sampling chunk in flight, in a micro-batch at least pp before (its token leaves
+        the last stage about when this one reaches stage 0), and room for two more tokens
+        under max_tokens (the one in flight and this one)."""
+        lent, gap, sample_mb = [], self.ahead_gap, self._sample_mb
+        for r in self.running:
+            scheduled, computed = r.num_scheduled, r.num_computed
+            if scheduled == computed or scheduled < r.prefill_len:
+                continue
+            if scheduled - max(computed, r.prefill_len - 1) != 1:  # sampling chunks in flight
+                continue
+            if mb_id - sample_mb.get(r.request_id, mb_id) < gap:
+                continue
+            if len(r.output_token_ids) + 2 > r.params.max_tokens:
+                continue
+            lent.append((r, computed))
+            r.num_computed = scheduled
+        return lent
 
     def place(self, seqs: list[SeqChunk]) -> list[SeqChunk]:
         """Give every decode that enters a new block that block. When none is free, preempt
@@ -190,6 +265,10 @@ class BasePlanner:
         for s in seqs:
             req = requests[s.request_id]
             while s.request_id not in dropped and not kv.grow(req, s.kv_len):
+                if s.token_ids == PLACEHOLDER_IDS:  # planned ahead: waits for its token
+                    req.num_scheduled -= 1  # instead of preempting anyone
+                    dropped.add(s.request_id)
+                    break
                 victim = self.victim(first)
                 self.preempt(victim)
                 dropped.add(victim.request_id)
@@ -217,7 +296,10 @@ class BasePlanner:
         requests, tokens, eos = self.requests, out.tokens, self.eos
         keyed = self.kv.pool.prefix_caching
         for s in mb.seqs:
-            req = requests[s.request_id]
+            req = requests.get(s.request_id)
+            if req is None or req.finish_reason is not None:  # a wasted decode (`_draining`)
+                self._drained(s)
+                continue
             req.num_computed += len(s.token_ids)
             if keyed:
                 self.kv.key_computed(req)
@@ -241,7 +323,23 @@ class BasePlanner:
     def finish(self, req: Request, reason: FinishReason, now: float) -> None:
         req.finish_reason, req.finish_s = reason, now
         self.running.remove(req)
-        self.kv.free(req)
+        if req.num_scheduled > req.num_computed:  # a decode planned ahead is in flight:
+            self._draining[req.request_id] = req  # its blocks go back when it returns
+        else:
+            self.kv.free(req)
+        self._sample_mb.pop(req.request_id, None)
+
+    def _drained(self, s: SeqChunk) -> None:
+        """A finished request's decode planned ahead came back: its output is discarded;
+        once none of its decodes is in flight its KV blocks go back."""
+        req = self._draining.get(s.request_id)
+        if req is None:
+            raise KeyError(f"request {s.request_id}: a result for a request this planner "
+                           "does not hold")
+        req.num_computed += len(s.token_ids)
+        if req.num_computed >= req.num_scheduled:
+            del self._draining[s.request_id]
+            self.kv.free(req)
 
     def abort_all(self, reason: FinishReason, now: float) -> list[Request]:
         """End every unfinished request (e.g. after an executor failure)."""
@@ -249,7 +347,10 @@ class BasePlanner:
         for req in ended:
             req.finish_reason, req.finish_s = reason, now
             self.kv.free(req)
-        self.running, self.waiting = [], deque()
+        for req in self._draining.values():  # already ended: only their blocks go back
+            self.kv.free(req)
+        self.running, self.waiting, self._draining = [], deque(), {}
+        self._sample_mb.clear()
         return ended
 
 

@@ -6,7 +6,9 @@ in memory from the in-process executor (`x`), or over torch.distributed when the
 has process groups (each TP rank receives its 1/tp slice from the same TP rank of the
 previous stage and all-gathers it, `parallel/p2p.py`). The last stage computes logits only
 for the rows that sample, gathers them over the vocabulary and samples (TP rank 0 returns
-the token ids). Each call records a `StageTiming`: wait, transfer, compute, and the
+the token ids). With the token hop (`runtime.token_hop`, `parallel/p2p.TokenHop`) the
+last stage also sends the ids straight to stage 0, which fills the plan's placeholder
+decodes with them before embedding. Each call records a `StageTiming`: wait, transfer, compute, and the
 time blocked before its send (the next stage had not taken the previous one), as spans
 of the worker's timer (`telemetry/timer.py`: perf_counter on CPU, CUDA events on a GPU).
 """
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pp_runtime.core.batch import MicroBatch, RankResult, StageTiming
+from pp_runtime.core.batch import MicroBatch, RankResult, StageTiming, fill_placeholders, sampling_ids
 from pp_runtime.config import Config
 from pp_runtime.worker.device import torch_dtype
 from pp_runtime.costmodel.memory import check_stage_fits
@@ -27,7 +29,7 @@ from pp_runtime.model.loader import load_stage_weights
 from pp_runtime.model.transformer import StageModel, materialize
 from pp_runtime.parallel.groups import StageGroups
 from pp_runtime.parallel.layers import TensorParallel, Unsharded
-from pp_runtime.parallel.p2p import StageLink
+from pp_runtime.parallel.p2p import StageLink, TokenHop
 from pp_runtime.worker.sampling import sample
 from pp_runtime.telemetry.timer import Op, Timer, device_timer
 
@@ -57,7 +59,15 @@ class StageWorker:
         self.model = model.eval().requires_grad_(False)
         self.cache = KVCache.for_stage(cfg, self.hi - self.lo, dtype, device)
         self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None
+        # every rank creates the hop's group, in the same order (torch.distributed's rule)
+        self.hop = (TokenHop(groups, device, cfg.in_flight)
+                    if self.link is not None and cfg.runtime.token_hop is True else None)
         self.timer: Timer = device_timer(device)  # times every call (CUDA: anchored once here)
+
+    def close_hop(self) -> None:
+        """A clean shutdown: the token hop's messages still due are taken (`TokenHop.close`)."""
+        if self.hop is not None:
+            self.hop.close()
 
     @property
     def is_last(self) -> bool:
@@ -86,6 +96,10 @@ class StageWorker:
         this stream's last span only (never for the send just posted, which runs on NCCL's
         stream), so the call's own timing comes back with it and none is held over."""
         rec = self.timer.record()
+        hop = self.hop
+        if hop is not None and hop.receives:  # outside every span: a wait for a token is a
+            hop.before(mb.mb_id)              # dependency bubble (telemetry/bubbles.py)
+            mb = fill_placeholders(mb, hop.token)
         if self.link is not None and not self.model.is_first:
             x = self.link.recv(mb, rec)
         with rec.span(Op.COMPUTE):
@@ -97,6 +111,10 @@ class StageWorker:
                 if self.tp_rank == 0:  # every rank holds the same logits; one samples
                     ids = sample(logits, [s.sampling for s in seqs], [s.kv_len for s in seqs])
                     tokens = {s.request_id: t for s, t in zip(seqs, ids)}
+                    if hop is not None and ids:
+                        hop.send(mb.mb_id, list(ids))
+        if hop is not None and hop.receives:
+            hop.expect(mb.mb_id, sampling_ids(mb))
         if self.link is not None and not self.is_last:
             self.link.send(mb, hidden, rec)
         spans = rec.resolve()
