@@ -1,0 +1,138 @@
+"""The token hop (runtime.token_hop, docs/distributed.md "Tokens skip the driver"): the last
+stage sends sampled ids straight to stage 0 and the driver plans decodes ahead with
+placeholders. Greedy outputs equal transformers' at PP = 2 and 3 (the local executor
+filling placeholders itself, and Ray's task path over gloo, where it is on by default),
+seeded sampling equals the path without it, a request stopped by EOS with a decode
+planned ahead ends as without it (the wasted slot dropped, its blocks back), and a stage
+SIGKILLed while tokens are in transit ends every request, recovered or with an error."""
+import os
+import signal
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every Ray port on 127.0.0.1
+
+import pytest  # noqa: E402
+
+from pp_runtime import LLM, SamplingParams  # noqa: E402
+from pp_runtime.core.driver import ExecutorFailed  # noqa: E402
+
+from test_hf_reference import hf_greedy, make_prompts  # noqa: E402
+
+NEW = 12
+PLAN = dict(chunk_size=8, max_batch_size=3, threads_per_worker=1)
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    from conftest import hf_model
+
+    model = hf_model("gpt")
+    path = tmp_path_factory.mktemp("ckpt-gpt-hop")
+    model.save_pretrained(path)
+    prompts = make_prompts(model.config.vocab_size)
+    return model, path, prompts, [hf_greedy(model, p, NEW) for p in prompts]
+
+
+def generate(path, prompts, params, **overrides):
+    """(outputs, micro-batches in submission order, the LLM's executor and planner)."""
+    mbs = []
+    with LLM.from_pretrained(path, **PLAN, **overrides) as llm:
+        outs = llm.generate(prompts, params, on_microbatch=lambda mb, _: mbs.append(mb))
+        hop, planner = llm.executor.token_hop, llm.engine._planner
+        free = planner.kv.pool.num_free == planner.kv.pool.num_blocks
+    return outs, sorted(mbs, key=lambda mb: mb.mb_id), hop, free
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_local_token_hop_equals_transformers(gpt, pp):
+    _, path, prompts, reference = gpt
+    outs, mbs, hop, free = generate(path, prompts, SamplingParams(max_tokens=NEW, ignore_eos=True),
+                                    pp=pp, executor="local", token_hop=True)
+    assert hop and any(mb.placeholders for mb in mbs)  # decodes were planned ahead
+    assert [o.token_ids for o in outs] == reference
+    assert free
+
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=4, include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [2, 3])
+def test_ray_token_hop_equals_transformers(gpt, local_ray, pp):
+    """On by default on Ray's task path (token_hop: auto); the placeholders' ids came from
+    the last stage, never from the driver."""
+    _, path, prompts, reference = gpt
+    outs, mbs, hop, free = generate(path, prompts, SamplingParams(max_tokens=NEW, ignore_eos=True),
+                                    pp=pp, executor="ray", compiled_graph=False)
+    assert hop and sum(len(mb.placeholders) for mb in mbs) > len(prompts)
+    assert [o.token_ids for o in outs] == reference
+    assert free
+
+
+@pytest.mark.slow
+def test_ray_token_hop_seeded_sampling_equals_the_path_without_it(gpt, local_ray):
+    _, path, prompts, _ = gpt
+    params = SamplingParams(max_tokens=NEW, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    off, _, hop_off, _ = generate(path, prompts, params, pp=2, executor="ray",
+                                  compiled_graph=False, token_hop=False)
+    on, mbs, hop_on, _ = generate(path, prompts, params, pp=2, executor="ray",
+                                  compiled_graph=False, token_hop=True)
+    assert not hop_off and hop_on and any(mb.placeholders for mb in mbs)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+
+
+@pytest.mark.slow
+def test_ray_eos_with_a_decode_planned_ahead(gpt, local_ray):
+    """EOS is set to the 4th greedy token of prompt 0: every request stops at its first
+    EOS, as transformers' tokens say; prompt 0's decode planned before its EOS came back
+    was computed and dropped (it is in a later micro-batch), and every block is back."""
+    _, path, prompts, reference = gpt
+    eos = reference[0][3]
+    expected = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in reference]
+    outs, mbs, hop, free = generate(path, prompts, SamplingParams(max_tokens=NEW), pp=2,
+                                    executor="ray", compiled_graph=False, eos_token_id=eos)
+    assert hop
+    assert [o.token_ids for o in outs] == expected
+    assert outs[0].finish_reason == "eos"
+    rows = [mb.mb_id for mb in mbs for s in mb.seqs if s.request_id == outs[0].request_id
+            and s.sampling is not None]
+    assert len(rows) == len(expected[0]) + 1  # one decode past EOS: wasted, not two
+    assert free
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1], ids=["first", "last"])
+def test_ray_a_stage_killed_with_tokens_in_transit_ends_every_request(gpt, local_ray, stage):
+    """SIGKILL after 6 micro-batches (placeholders in flight): with no recovery every
+    request ends with an error at once, none hangs; with recovery every output equals
+    transformers'."""
+    _, path, prompts, reference = gpt
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    for attempts in (0, 3):
+        with LLM.from_pretrained(path, **PLAN, pp=2, executor="ray", compiled_graph=False,
+                                 step_timeout_s=10.0, recovery_attempts=attempts) as llm:
+            assert llm.executor.token_hop
+            pid = ray.get(llm.executor.actors[stage].pid.remote(), timeout=30)
+            seen = []
+
+            def kill(mb, out):
+                seen.append(mb)
+                if len(seen) == 6:
+                    assert any(m.placeholders for m in seen)
+                    os.kill(pid, signal.SIGKILL)
+
+            if attempts == 0:
+                with pytest.raises(ExecutorFailed) as err:
+                    llm.generate(prompts, params, on_microbatch=kill)
+                assert all(o.finish_reason == "error" for o in err.value.outputs)
+            else:
+                outs = llm.generate(prompts, params, on_microbatch=kill)
+                assert [o.token_ids for o in outs] == reference
+                assert len(llm.engine.recoveries) == 1
