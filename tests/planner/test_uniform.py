@@ -110,42 +110,42 @@ def test_a_partly_filled_last_tile_waits_for_the_next_microbatch():
 def test_the_tbt_target_cuts_the_chunk_by_the_round():
     """S = 30 ms, pp 2, 2 in flight: the micro-batch must come back by 0.95 x 30 = 28.5 ms
     after its decode's last token (at 0), crossing 2 stages of the toy's time each. The
-    decode alone: 2 x (1 + 0.01 + 0.101) = 2.222 ms; it takes a quarter of the slack
-    (SLACK_SHARE): 2.222 + 0.25 x 26.278 = 8.7915 ms >= 2 x (1.101 + 0.01 (n + 1)) ms
-    -> n + 1 <= 329.475: n = 328."""
+    decode alone: 2 x (1 + 0.01 + 0.101) = 2.222 ms; it takes half of the slack
+    (SLACK_SHARE): 2.222 + 0.5 x 26.278 = 15.361 ms >= 2 x (1.101 + 0.01 (n + 1)) ms
+    -> n + 1 <= 657.95: n = 656."""
     p = toy(in_flight=2, tbt_slo_ms=30.0)
     add(p, 0, 100, 50)
     first = p.schedule(0.0)  # the prompt, alone
     p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
     add(p, 1, 5000, 4)
     mb = p.schedule(0.0)
-    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 328, False)]
+    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 656, False)]
 
 
 def test_beside_a_decode_the_chunk_is_what_fits_even_below_k_over_8():
-    """As above with S = 12 ms: the bound is 2.222 + 0.25 x (11.4 - 2.222) = 4.5165 ms >=
-    2 x (1.101 + 0.01 (n + 1)) ms -> n + 1 <= 115.725: n = 114, under K / 8 = 224 (a
+    """As above with S = 10 ms: the bound is 2.222 + 0.5 x (9.5 - 2.222) = 5.861 ms >=
+    2 x (1.101 + 0.01 (n + 1)) ms -> n + 1 <= 182.95: n = 181, under K / 8 = 224 (a
     chunk of K / 8 beside the decode would break its time between tokens)."""
-    p = toy(in_flight=2, tbt_slo_ms=12.0)
+    p = toy(in_flight=2, tbt_slo_ms=10.0)
     add(p, 0, 100, 50)
     first = p.schedule(0.0)
     p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
     add(p, 1, 5000, 4)
     mb = p.schedule(0.0)
-    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 114, False)]
+    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 181, False)]
 
 
 def test_a_token_on_its_way_bounds_the_prompt_chunk_ahead_of_its_next_decode():
     """S = 30 ms, pp 2, 2 in flight. Request 0's prompt (100 tokens, 2 ms a stage) is in
     flight: its first token is due back at 4 ms, its next one by 4 + 28.5 = 32.5 ms, and that
     decode will follow the chunk composed now. The chunk alone would end at 5 ms (stage 0
-    free at 2 ms, 1 ms a stage); it takes a quarter of the 27.5 ms slack: 2 + 2 x (1 + 0.01 n)
-    <= 11.875 ms -> n = 393, not the 1792 tokens of the knee."""
+    free at 2 ms, 1 ms a stage); it takes half of the 27.5 ms slack: 2 + 2 x (1 + 0.01 n)
+    <= 18.75 ms -> n = 737, not the 1792 tokens of the knee."""
     p = toy(in_flight=2, tbt_slo_ms=30.0)
     add(p, 0, 100, 50)
     assert p.schedule(0.0).seqs[0].num_tokens == 100
     add(p, 1, 5000, 4)
-    assert [(s.request_id, s.num_tokens) for s in p.schedule(0.0).seqs] == [(1, 393)]
+    assert [(s.request_id, s.num_tokens) for s in p.schedule(0.0).seqs] == [(1, 737)]
 
 
 @pytest.mark.parametrize("prompt,rows", [(100, 218), (900, 26)])
