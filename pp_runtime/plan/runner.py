@@ -127,16 +127,24 @@ def _expired(fn: Callable, args: tuple):
     return [res for res, _ in args[1]], (0, 0)
 
 
+def _ready() -> None:
+    """A worker's first task: the modules a probe runs, imported."""
+    import pp_runtime.engine.simulate  # noqa: F401
+    import pp_runtime.plan.record  # noqa: F401
+
+
 def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: int,
            budget_s: float, fast: bool = True, cache_dir: str | None = None,
            progress: bool = True, stop_early: bool = True) -> tuple[list[Result], tuple[int, int]]:
-    """Every candidate's Result (module docstring), the probes simulated and asked for."""
-    groups = ordered(items, wl, slo)
-    results = [r for g in groups for r, _ in g]
-
-    bar = tqdm(total=len(results), unit="deployment", desc="plan", disable=not progress, leave=False)
+    """Every candidate's Result (module docstring), the probes simulated and asked for.
+    The processes start (and import what a probe runs) while the bounds are computed."""
+    bar = tqdm(total=len(items), unit="deployment", desc="plan", disable=not progress, leave=False)
     run = Runner(jobs, budget_s, slo, stop_early, cache_dir, bar)
     try:
+        for _ in range(jobs):  # each submit starts one process (spawn): all of them, now
+            run.pool.submit(_ready)
+        groups = ordered(items, wl, slo)
+        results = [r for g in groups for r, _ in g]
         if not fast:
             run([(res, cfg, None) for res, cfg in sorted(
                 (rc for g in groups for rc in g), key=lambda rc: -rc[1].parallel.pp)])
