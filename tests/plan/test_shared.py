@@ -62,13 +62,12 @@ def test_measured_side_by_side_compute_prices_the_replicas(profile, monkeypatch,
         def __enter__(self):
             return self
 
-        def stop(self):
+        def __exit__(self, *exc):
             pass
 
     sent = []
-    import pp_runtime.bench.capacity as capacity
     import pp_runtime.plan.validate as validate
-    monkeypatch.setattr(capacity, "ServerProcess", Server)
+    monkeypatch.setattr(validate, "ServerProcess", Server)  # what validate.serving starts
     monkeypatch.setattr(validate, "real_probe", lambda urls, c, slo, log: sent.append(
         (len(urls), c.workload.num_requests, slo.ttft_s)) or (lambda qps: None))
     lines = []
