@@ -40,9 +40,6 @@ REL_TOL = 0.05  # the grid's step (probe.STEP - 1)
 START = 0.95  # a search starts at this share of the bound (capacities came at 0.5-1 of it: a
 #               miss above is quick and hints where to look, a pass below is a whole run)
 FIRST_JUMP = 2  # grid steps of the first bracketing move (x 1.10), doubled after each
-LIFT = 2  # grid steps above the first miss's hint the next probe goes: that miss, far above
-#           the capacity, served less than the SLO's capacity (GPT-3: 2-3 steps), and a
-#           pass below the capacity is a whole run where a miss above it stops early
 FLOOR = 1e-4  # no capacity searched below this share of the bound
 WEAK = 0.4  # fast path: a layout's first candidate below this share of its bound is weak
 LOST = "lost at the layout's best"
@@ -155,11 +152,8 @@ def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
 
 def _down(k: int, guess: int | None, jump: int, floor: int) -> tuple[int, int, int]:
     """After a miss at k with nothing known to pass: the next probe (the hint's point, but
-    at least jump / 2 lower: hints that creep down speed up; after the first miss, the
-    hint's point + LIFT, below k), the climbing step (1: the hint chose it), the next
-    jump."""
-    if guess is not None and jump == FIRST_JUMP and guess + LIFT < k:
-        guess += LIFT
+    at least jump / 2 lower: hints that creep down speed up), the climbing step (1: the
+    hint chose it), the next jump."""
     if guess is not None and guess < k:
         nxt, step = min(guess, k - jump // 2), int(guess <= k - jump // 2)
     else:
