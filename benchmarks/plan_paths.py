@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -39,9 +40,9 @@ def run(name: str, argv: list[str], out: Path, extra: list[str], code: str | Non
     cmd = [sys.executable, "-m", "pp_runtime.cli", "plan", *argv, "--quiet",
            "--out", str(out / name), *extra]
     env = {**os.environ, "PYTHONPATH": str(Path(code).resolve())} if code else None
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _children_cpu()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
     if done.returncode:
         sys.exit(f"{name} failed: {done.stderr[-2000:]}")
     (out / f"{name.replace(' ', '_').replace(',', '')}.log").write_text(done.stdout)
@@ -50,9 +51,16 @@ def run(name: str, argv: list[str], out: Path, extra: list[str], code: str | Non
     if " 0 left by the budget" not in left:
         sys.exit(f"{name}: the time budget cut the search short: {left}")
     plan = json.loads((out / name / "plan.json").read_text())
-    print(f"{name:<22} wall {wall:6.1f} s  {probes.strip()}", flush=True)
+    print(f"{name:<22} wall {wall:6.1f} s  cpu {cpu:6.1f} s  {probes.strip()}", flush=True)
     print(f"{'':<22} winner: {plan['best']}", flush=True)
-    return {"wall": wall, **answer(plan)}
+    return {"wall": wall, "cpu": cpu, **answer(plan)}
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of the finished subprocesses and their workers: the work
+    a run did, which other load on the machine changes less than its wall time."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
 
 
 def answer(plan: dict) -> dict:
@@ -125,8 +133,9 @@ def main() -> int:
         full = None
     print()
     if before:
-        print(f"before / after wall: {before['wall'] / fast['wall']:.2f}x "
-              f"({before['wall']:.1f} s -> {fast['wall']:.1f} s); same answers as before: "
+        print(f"before / after: wall {before['wall'] / fast['wall']:.2f}x "
+              f"({before['wall']:.1f} s -> {fast['wall']:.1f} s), cpu {before['cpu'] / fast['cpu']:.2f}x "
+              f"({before['cpu']:.1f} s -> {fast['cpu']:.1f} s); same answers as before: "
               f"{agree(before, fast)}")
     if full:
         print(f"same winner: {fast['best'] == full['best'] == again['best']}; same frontier: "
