@@ -112,15 +112,18 @@ def test_memory_split_gives_the_end_stages_fewer_layers_where_that_frees_kv():
     assert memory_split(cfg("gpt3-175b", 4, 8, 80)) is None
 
 
-@pytest.mark.parametrize("guess", [-30, -9, -7, -6, 0])
-def test_a_hint_after_a_miss_changes_the_probes_not_the_answer(guess):
+@pytest.mark.parametrize("guess", [-30, -9, -7, -6, -5, 0])
+@pytest.mark.parametrize("known", [None, -20])
+def test_a_hint_after_a_miss_changes_the_probes_not_the_answer(guess, known):
+    """A hint below or above the capacity, before or after a point is known to pass: the
+    search bisects between it and the miss, it never takes it for a pass."""
     asked = []
 
     def ok(k):
         asked.append(k)
         return k <= -7
 
-    assert grid_capacity(ok, 5, top=20, floor=-60, hint=lambda k: guess) == -7
+    assert grid_capacity(ok, 5, top=20, floor=-60, known_ok=known, hint=lambda k: guess) == -7
     assert len(asked) <= 14, asked
 
 
