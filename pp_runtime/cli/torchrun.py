@@ -43,6 +43,7 @@ import torch.distributed as dist
 from pp_runtime.cli.common import Parser, config_from_args, non_negative_int, positive_int
 from pp_runtime.config import Config
 from pp_runtime.costmodel.balance import resolve_layer_split
+from pp_runtime.executors import token_hop_on
 from pp_runtime.worker.device import dist_backend, resolve_device
 from pp_runtime.core.errors import ConfigError
 from pp_runtime.core.net import keep_on_loopback
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_layer_split(config_from_args(  # every rank chooses auto alike, once
             args, flags=("planner", "requests", "seed")).with_overrides(executor="torchrun"))
+        cfg = cfg.with_overrides(**{"runtime.token_hop": token_hop_on(cfg, "torchrun")})
         out = Path(args.out or f"runs/torchrun-{cfg.model.name}-{cfg.planner.planner}")
         keep_on_loopback(env.get("MASTER_ADDR", ""))
         return run_rank(cfg, rank, world, int(env.get("LOCAL_RANK", 0)),

@@ -182,7 +182,8 @@ class RayExecutor:
         return self.transport.path
 
     def describe(self) -> str:
-        return f"ray ({len(self.actors)} actors, {self.backend}, {self.transport.how})"
+        hop = " + token hop" if self.token_hop else ""
+        return f"ray ({len(self.actors)} actors, {self.backend}, {self.transport.how}){hop}"
 
     def submit(self, mb: MicroBatch) -> tuple[int, object]:
         return mb.mb_id, self.transport.submit(mb)

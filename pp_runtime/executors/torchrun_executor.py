@@ -45,9 +45,13 @@ class TorchrunExecutor:
         # rank 0's stage-0 work, in submission order, off the driver's thread
         self._stage0 = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage0")
         self.device = worker.device  # what the stages run on (reports name it)
+        # runtime.token_hop, resolved alike on every rank (cli/torchrun.py): the engine
+        # plans ahead; stage 0's thread fills the placeholders from the last stage's ids
+        self.token_hop = getattr(worker, "hop", None) is not None
 
     def describe(self) -> str:
-        return f"torchrun ({self.world} ranks, {dist.get_backend()})"
+        hop = " + token hop" if self.token_hop else ""
+        return f"torchrun ({self.world} ranks, {dist.get_backend()}){hop}"
 
     def submit(self, mb: MicroBatch) -> tuple[int, Future]:
         self.ctrl.broadcast(mb, wire.PLAN)  # one message to every rank, not world - 1
@@ -86,6 +90,7 @@ class TorchrunExecutor:
         hold either forever, and the caller exits (torchrun's agent ends the others)."""
         self._stage0.shutdown(wait=not self.failed, cancel_futures=self.failed)
         if self.world and not self.failed:
+            self.worker.close_hop()  # the token hop's messages still due (every one was sent)
             self.ctrl.broadcast(None, wire.PLAN)
             self.ctrl.flush()
             self.world = 0
@@ -98,6 +103,7 @@ def serve(worker: StageWorker, ctrl: ControlChannel) -> int:
     while (mb := ctrl.recv_broadcast(wire.PLAN)) is not None:
         ctrl.send(worker.execute(mb)[0], wire.RESULT, 0)
         n += 1
+    worker.close_hop()  # the last stage: until rank 0 took its token messages
     if worker.link is not None:
         worker.link.flush()
     ctrl.flush()

@@ -110,7 +110,7 @@ def test_ray_eos_with_a_decode_planned_ahead(gpt, local_ray):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1], ids=["first", "last"])
 def test_ray_a_stage_killed_with_tokens_in_transit_ends_every_request(gpt, local_ray, stage):
-    """SIGKILL after 6 micro-batches (placeholders in flight): with no recovery every
+    """SIGKILL at the first result of a decode planned ahead (more in flight): with no recovery every
     request ends with an error at once, none hangs; with recovery every output equals
     transformers'."""
     _, path, prompts, reference = gpt
@@ -122,10 +122,9 @@ def test_ray_a_stage_killed_with_tokens_in_transit_ends_every_request(gpt, local
             pid = ray.get(llm.executor.actors[stage].pid.remote(), timeout=30)
             seen = []
 
-            def kill(mb, out):
-                seen.append(mb)
-                if len(seen) == 6:
-                    assert any(m.placeholders for m in seen)
+            def kill(mb, out):  # once, at the first result of a planned-ahead decode:
+                if mb.placeholders and not seen:  # later ones are in flight behind it
+                    seen.append(mb)
                     os.kill(pid, signal.SIGKILL)
 
             if attempts == 0:
