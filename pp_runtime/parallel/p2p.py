@@ -31,6 +31,7 @@ creating NCCL's communicators does not land in the first micro-batch's wait.
 from __future__ import annotations
 
 from collections import deque
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -141,20 +142,25 @@ class TokenHop:
     sampling sequence in plan order (`core.batch.sampling_ids`)], on a group of its own
     (stage 0's ranks and the last stage's TP rank 0), so that on NCCL the hop never queues
     behind the activations on the same pair's stream. Stage 0 knows which micro-batches
-    sample (it ran them first), so no size message is needed, and it receives lazily: a
-    micro-batch's placeholders pull messages in order until the one they name is in; the
+    sample (it ran them first), so no size message is needed: it posts each receive once it
+    has run the micro-batch (`irecv`: the ids land while it computes the next ones) and
+    waits lazily: a micro-batch's placeholders wait on the messages in order until the one
+    they name is in (a wait on its own group's receive: on NCCL no other stream stalls); the
     messages of micro-batches older than `horizon` (`cfg.in_flight`: their results are
     back at the driver, so they were sent) are taken and dropped, so none piles up. Every
     rank creates the group, in the same order (`StageWorker`'s constructor)."""
 
-    def __init__(self, groups: StageGroups, device: torch.device, horizon: int):
+    def __init__(self, groups: StageGroups, device: torch.device, horizon: int,
+                 timeout_s: float):
         tp, pp = groups.tp, groups.pp
         self.device, self.horizon = device, horizon
         self.last, self.firsts = (pp - 1) * tp, list(range(tp))  # global ranks
-        self.group = dist.new_group([*self.firsts, self.last])
+        self.group = dist.new_group([*self.firsts, self.last],  # a wait: step_timeout_s
+                                    timeout=timedelta(seconds=timeout_s))
         self.sends = groups.stage == pp - 1 and groups.tp_rank == 0
         self.receives = groups.stage == 0
-        self.expected: deque[tuple[int, int]] = deque()  # (mb id, ids) stage 0 ran, not received
+        self.expected: deque[tuple[int, object, torch.Tensor]] = deque()  # (mb id, work,
+        #                                   buffer) of receives stage 0 posted, not waited for
         self.tokens: dict[int, list[int]] = {}  # mb id -> its sampled ids, received
         self.rows: dict[int, dict[int, int]] = {}  # mb id -> request id -> index in its message
         self._pending: list = []  # (work, tensor) of sends in flight
@@ -172,7 +178,8 @@ class TokenHop:
         """Stage 0 ran micro-batch `mb_id`, whose sequences of `request_ids` sample: its
         message will come, after those of the micro-batches before it."""
         if request_ids:
-            self.expected.append((mb_id, len(request_ids)))
+            buf = torch.empty(1 + len(request_ids), dtype=torch.long, device=self.device)
+            self.expected.append((mb_id, dist.irecv(buf, src=self.last, group=self.group), buf))
             self.rows[mb_id] = {r: i for i, r in enumerate(request_ids)}
 
     def token(self, src: int, request_id: int) -> int:
@@ -196,9 +203,8 @@ class TokenHop:
             del self.tokens[old], self.rows[old]
 
     def _receive(self) -> None:
-        mb_id, n = self.expected.popleft()
-        buf = torch.empty(1 + n, dtype=torch.long, device=self.device)
-        dist.recv(buf, src=self.last, group=self.group)
+        mb_id, work, buf = self.expected.popleft()
+        work.wait()
         got = buf.tolist()
         if got[0] != mb_id:
             raise RuntimeError(f"token hop: stage 0 expected micro-batch {mb_id}'s tokens, "

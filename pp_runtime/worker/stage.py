@@ -60,7 +60,7 @@ class StageWorker:
         self.cache = KVCache.for_stage(cfg, self.hi - self.lo, dtype, device)
         self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None
         # every rank creates the hop's group, in the same order (torch.distributed's rule)
-        self.hop = (TokenHop(groups, device, cfg.in_flight)
+        self.hop = (TokenHop(groups, device, cfg.in_flight, cfg.runtime.step_timeout_s)
                     if self.link is not None and cfg.runtime.token_hop is True else None)
         self.timer: Timer = device_timer(device)  # times every call (CUDA: anchored once here)
 
