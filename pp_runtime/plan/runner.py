@@ -4,8 +4,9 @@ no new one starts after the budget (what it leaves is marked `budget`).
 
 The exhaustive path is one batch (`Runner.__call__`). The fast path (`Runner.fast`) is a
 small state machine per layout: its first candidate; then either its others against that
-best, one task each, and once all are back the ones that passed, in order, as one task;
-or, for a weak layout, its others in order as one task. A layout's next step is queued
+best, one task each, and once all are back each one that passed searched to its capacity
+from its own start, as the exhaustive path searches it, one task each; or, for a weak
+layout, its others in order as one task. A layout's next step is queued
 as soon as its last one came back, never waiting for another layout (a barrier between
 phases left a process idle behind the slowest task of each phase); waiting work goes
 out in the order: first candidates (deep pipelines first), whole layouts, single probes.
@@ -76,10 +77,13 @@ class Runner:
     def _second(self, first: Result, rest, res: Result, got, left: list[int]) -> None:
         self._one(res, got, count=got[0].outcome != PASSED)
         left[0] -= 1
-        passed = [(r, c) for r, c in rest if r.outcome == PASSED]
-        if left[0] == 0 and passed:
-            self._push(LAYOUT, search_in_order, (first.k, list(passed), *self.args, False),
-                       lambda out: self._many(passed, out))
+        if left[0]:
+            return
+        for slot, cfg in rest:  # passed k + 1: searched to its capacity as the exhaustive
+            if slot.outcome == PASSED:  # path does (its probe at k + 1 comes from the cache)
+                fresh = Result(slot.candidate, slot.bound_qps, slot.order)
+                self._push(SINGLE, search_candidate, (fresh, cfg, *self.args, None, True),
+                           lambda out, slot=slot: self._one(slot, out))
 
     def _one(self, slot: Result, got, count: bool = True) -> None:
         new, (n, m) = got
@@ -158,9 +162,10 @@ def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: 
 
 def fast_phases(run, groups: list[list[tuple[Result, Config]]]) -> None:
     """The fast path: (1) every layout's first candidate to its capacity; (2) every other
-    one against its layout's best, one probe at most; (3) those that passed, searched on
-    one after the other within their layout, each against the best so far (their probe
-    of (2) comes back from the cache): the same answer as searching each layout in order.
+    one against its layout's best, one probe at most; (3) each one that passed, searched
+    to its capacity from its own start as the exhaustive path does (its probe of (2) may
+    come back from the cache): every candidate searched gets the exhaustive path's
+    capacity, and the others missed above the layout's best.
     A layout whose first candidate came out below WEAK x its bound (or met nothing) skips
     (2): its others one after the other from their own start (`search_candidate`'s
     high). Each layout's next phase starts as soon as its last one ended

@@ -14,7 +14,10 @@ in that order on a tie, so the answer does not depend on which process finishes 
   fast        first every layout's first candidate, searched to its capacity k; then each
               other one is out without a probe where its bound is below rate(k + 1)
               ("bound"), else probed once at k + 1 and out when it misses there ("lost at
-              the layout's best"), else searched on from there; a weak layout (its first
+              the layout's best"), else searched to its capacity from its own start, as
+              the exhaustive path searches it (a pass at k + 1 that a search from above
+              would not have found, where pass or miss is not monotone in the rate, does
+              not make the answer differ); a weak layout (its first
               below WEAK x its bound) has its others searched in order from their own
               start instead (`fast_phases`; the processes: `runner.py`).
 On both, a probe that cannot meet the SLOs any more stops early (`probe.Watch`; exact, off

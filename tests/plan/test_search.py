@@ -171,3 +171,49 @@ def test_work_the_budget_leaves_is_marked_and_counted():
     finally:
         run.close()
     assert all(r.outcome == "budget" for g in groups for r, _ in g) and bar.n == 6
+
+
+def test_a_lucky_pass_above_the_layout_s_best_gets_the_exhaustive_capacity(monkeypatch):
+    """Pass or miss need not be monotone in the rate (a TBT p99 near its SLO flips with the
+    draw of each rate's arrivals). A candidate that passes its layout's best + 1 by such a
+    flip is searched from its own start, as the exhaustive path does: the same capacity,
+    so both paths name the same best for the layout."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import pp_runtime.plan.search as search
+    from pp_runtime.bench.capacity import Probe
+    from pp_runtime.plan.runner import Runner, fast_phases
+
+    lay = Layout(1, 1, 1)
+    first, lucky = (Candidate(lay, "uniform", c, 8, 1, "even") for c in (128, 256))
+    cfg = {first: SimpleNamespace(parallel=SimpleNamespace(tp=1, pp=1), ok=lambda k: k <= -10),
+           lucky: SimpleNamespace(parallel=SimpleNamespace(tp=1, pp=1),
+                                  ok=lambda k: k == -9 or k <= -20)}  # a flip at -9
+
+    class Prober:  # each config's table above instead of a simulation
+        def __init__(self, cfg, *args):
+            self.ok = cfg.ok
+
+        def __call__(self, k):
+            return Probe(rate(k), 0.1, 1.0, self.ok(k), {"k": k})
+
+    class Pool:  # the worker processes, run in this one
+        def submit(self, fn, *args):
+            done = Future()
+            done.set_result(fn(*args))
+            return done
+
+        def shutdown(self, **kw):
+            pass
+
+    monkeypatch.setattr(search, "Prober", Prober)
+    bound = rate(0) / 0.95  # start at grid point -1, top 0
+    run = Runner(1, 60, Slo(1.0, 1.0), True, None, SimpleNamespace(update=lambda n: None))
+    run.pool.shutdown()
+    run.pool = Pool()
+    results = [Result(first, bound, 0), Result(lucky, bound, 1)]
+    fast_phases(run, [[(r, cfg[r.candidate]) for r in results]])
+    alone, _ = search.search_candidate(Result(lucky, bound, 1), cfg[lucky], Slo(1.0, 1.0), True,
+                                       None, None)  # the exhaustive path's search
+    assert results[0].k == -10 and results[1].k == alone.k == -20
