@@ -90,7 +90,8 @@ class TorchrunExecutor:
         hold either forever, and the caller exits (torchrun's agent ends the others)."""
         self._stage0.shutdown(wait=not self.failed, cancel_futures=self.failed)
         if self.world and not self.failed:
-            self.worker.close_hop()  # the token hop's messages still due (every one was sent)
+            if self.token_hop:  # the token hop's messages still due (every one was sent)
+                self.worker.close_hop()
             self.ctrl.broadcast(None, wire.PLAN)
             self.ctrl.flush()
             self.world = 0
