@@ -28,7 +28,9 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     dict(chunk_size=8, max_batch_size=3),  # chunks smaller than every prompt but one
     dict(chunk_size=5, max_batch_size=4, pp=3, executor="local"),  # three stages in one process
     dict(chunk_size=16, max_batch_size=2, tile_align=False),
-], ids=["chunk8", "chunk5-pp3", "chunk16-untiled"])
+    # stage 0 ends after layer 1's attention, stage 1 starts with its MLP (a half-layer cut)
+    dict(chunk_size=5, max_batch_size=4, pp=2, layer_split=[1.5, 1.5], executor="local"),
+], ids=["chunk8", "chunk5-pp3", "chunk16-untiled", "half-layer-pp2"])
 def test_greedy_generation_equals_transformers(hf_checkpoint, overrides):
     family, model, path = hf_checkpoint
     prompts = make_prompts(model.config.vocab_size)

@@ -242,18 +242,19 @@ def _check_cache(c, seq_len: int) -> None:  # c: CacheConfig
 
 def _check_layer_split(num_layers: int, p) -> None:  # p: ParallelConfig
     split, where = p.layer_split, "parallel.layer_split"
-    fix = (f"give {p.pp} counts (one per stage, each >= 1) summing to model.num_layers = "
+    fix = (f"give {p.pp} counts (one per stage, whole or half layers, each >= 0.5) summing "
+           f"to model.num_layers = "
            f"{num_layers}, e.g. {even_split(num_layers, p.pp)}, or use auto (balanced by the "
            f"cost model), even, or null (auto with a hardware.profile, else even)")
     if split is None or split in (LAYER_SPLIT_AUTO, LAYER_SPLIT_EVEN):
         return
     _check(isinstance(split, (list, tuple)), where,
            f"unknown value {split!r}" if isinstance(split, str) else f"got {split!r}", fix)
-    _check(all(isinstance(k, int) and not isinstance(k, bool) for k in split), where,
-           f"{list(split)} holds a non-integer", fix)
+    _check(all(isinstance(k, (int, float)) and not isinstance(k, bool) and float(2 * k).is_integer()
+               for k in split), where, f"{list(split)} holds a count that is not a whole or half layer", fix)
     _check(len(split) == p.pp, where, f"{list(split)} has {len(split)} entries for pp = {p.pp}",
            fix)
-    _check(min(split) >= 1, where, f"{list(split)} leaves a stage with no layer", fix)
+    _check(min(split) >= 0.5, where, f"{list(split)} leaves a stage with no layer", fix)
     _check(sum(split) == num_layers, where,
            f"{list(split)} sums to {sum(split)} layers, the model has {num_layers}", fix)
 

@@ -131,8 +131,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages; planner.in_flight (pp + 1) micro-batches are in flight
     dp: int = 1  # data-parallel replicas of the tp x pp deployment (the simulator routes
     #              each request to the least-loaded one)
-    layer_split: list[int] | str | None = None  # decoder layers per stage: a list (one count
-    #   per stage, each >= 1, summing to num_layers), "auto" (stage times equalised by the
+    layer_split: list[float] | str | None = None  # decoder layers per stage: a list (one count
+    #   per stage, each >= 0.5, summing to num_layers; a half is a layer cut between its
+    #   attention and its MLP: docs/distributed.md), "auto" (stage times equalised by the
     #   cost model: stage 0 also embeds, the last stage runs the LM head), "even" (earlier
     #   stages take the remainder) or None: auto with a hardware.profile, else even.
     #   `Config.layers_per_stage` reads it; auto is chosen where a run or a simulation is
@@ -330,11 +331,19 @@ class Config:
             return list(split)
         return even_split(m.num_layers, pp)
 
-    def stage_layers(self, stage: int) -> tuple[int, int]:
-        """Layers [lo, hi) of a pipeline stage."""
+    def stage_units(self, stage: int) -> tuple[int, int]:
+        """Half-layer units [lo, hi) of a pipeline stage: unit 2i is layer i's attention
+        (its norm, QKV, attention, output projection and residual add), unit 2i + 1 its
+        MLP (norm, up, activation, down, add). A whole-layer split has even bounds."""
         counts = self.layers_per_stage()
-        lo = sum(counts[:stage])
-        return lo, lo + counts[stage]
+        lo = round(2 * sum(counts[:stage]))
+        return lo, lo + round(2 * counts[stage])
+
+    def stage_layers(self, stage: int) -> tuple[int, int]:
+        """Layers [lo, hi) a pipeline stage holds any part of (a layer cut in half at a
+        stage boundary is in both stages' ranges: `stage_units` says which half)."""
+        lo, hi = self.stage_units(stage)
+        return lo // 2, (hi + 1) // 2
 
     def with_layer_split_resolved(self) -> "Config":
         """A copy whose layer_split is the explicit list (what an executor hands its

@@ -74,26 +74,37 @@ def memory_plan(cfg: Config, device_memory_gb: float | None = None) -> MemoryPla
 
 
 # ---- exact, per stage ----------------------------------------------------------------------
-def stage_params(m: ModelConfig, tp: int, lo: int, hi: int) -> int:
+def stage_params(m: ModelConfig, tp: int, lo: int, hi: int,
+                 units: tuple[int, int] | None = None) -> int:
     """Parameters of one tp rank of the stage holding layers [lo, hi), as `StageModel` builds
     them: QKV (and its bias), FFN-up and the vocabulary (padded to a multiple of tp) cut;
-    norms (Qwen3's q/k norms too), GPT's position embedding and row-parallel biases whole."""
+    norms (Qwen3's q/k norms too), GPT's position embedding and row-parallel biases whole.
+    `units`: half-layer units [ulo, uhi) (`Config.stage_units`), where a boundary layer is
+    cut between its attention half and its MLP half."""
     h, f, b, bq = m.hidden_size, m.ffn, int(m.use_bias), int(m.use_qkv_bias)
     q = m.num_heads * m.head_dim  # the attention width (Qwen3: not hidden)
     qkv = q + 2 * m.kv_heads * m.head_dim
     up = 2 * f if m.family == "llama" else f  # llama: gate | up
     norm = 2 * h if m.family == "gpt" else h  # LayerNorm has a bias
     qk_norm = 2 * m.head_dim * m.qk_norm
-    layer = (((h + bq) * qkv + (h + b) * up) // tp + (q * h + f * h) // tp + 2 * b * h
-             + 2 * norm + qk_norm)
+    attn = (h + bq) * qkv // tp + q * h // tp + b * h + norm + qk_norm
+    mlp = (h + b) * up // tp + f * h // tp + b * h + norm
+    ulo, uhi = units if units is not None else (2 * lo, 2 * hi)
+    n_attn, n_mlp = attention_layers(ulo, uhi), (uhi // 2) - (ulo // 2)
     vocab_rows = -(-m.vocab_size // tp)  # padded_vocab / tp
-    first, last = lo == 0, hi == m.num_layers
-    n = (hi - lo) * layer
+    first, last = ulo == 0, uhi == 2 * m.num_layers
+    n = n_attn * attn + n_mlp * mlp
     if first:
         n += vocab_rows * h + (m.max_positions * h if m.family == "gpt" else 0)
     if last:
         n += norm + (0 if m.tied and first else vocab_rows * h)  # a tied head on stage 0 is shared
     return n
+
+
+def attention_layers(ulo: int, uhi: int) -> int:
+    """Layers whose attention half (unit 2i) lies in half-layer units [ulo, uhi): the
+    stage's KV-cache layers."""
+    return (uhi + 1) // 2 - (ulo + 1) // 2
 
 
 @dataclass(frozen=True)
@@ -138,14 +149,15 @@ def stage_memory(cfg: Config, stage: int, dtype_bytes: int, tp: int | None = Non
     m, bs = cfg.model, cfg.cache.block_size
     tp, pp = tp or cfg.parallel.tp, pp or cfg.parallel.pp
     if pp == cfg.parallel.pp:
-        lo, hi = cfg.stage_layers(stage)
+        ulo, uhi = cfg.stage_units(stage)
     else:
         counts = even_split(m.num_layers, pp)
-        lo, hi = sum(counts[:stage]), sum(counts[:stage + 1])
-    per_block = kv_bytes_per_token(m, hi - lo, tp, dtype_bytes) * bs
+        ulo, uhi = 2 * sum(counts[:stage]), 2 * sum(counts[:stage + 1])
+    per_block = kv_bytes_per_token(m, attention_layers(ulo, uhi), tp, dtype_bytes) * bs
     per_slot = -(-cfg.seq_len // bs)
     blocks = slots * per_slot if slots else kv_blocks(cfg)
-    return StageMemory(stage, stage_params(m, tp, lo, hi) * dtype_bytes, per_block, blocks, per_slot)
+    params = stage_params(m, tp, ulo // 2, (uhi + 1) // 2, (ulo, uhi))
+    return StageMemory(stage, params * dtype_bytes, per_block, blocks, per_slot)
 
 
 def kv_blocks(cfg: Config) -> int:

@@ -269,6 +269,8 @@ def _fold_gpt2_attention_scale(stage: StageModel, hf: dict) -> None:
     if base == 1.0 and not by_layer:
         return
     for j, layer in enumerate(stage.layers):
+        if not layer.has_attn:  # the MLP half of a layer cut at the stage boundary
+            continue
         scale = base / (stage.lo + j + 1) if by_layer else base
         rows = layer.heads * layer.head_dim  # this rank's query rows
         layer.qkv.weight[:rows] *= scale  # [heads_per_rank * head_dim, hidden]

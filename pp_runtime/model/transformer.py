@@ -108,29 +108,46 @@ class Plain(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, m: ModelConfig, par: Parallel):
+    """One transformer layer, or one half of it at a stage boundary cut inside the layer
+    (`attn`: its attention half, norm to residual add; `mlp`: its MLP half): a half holds
+    only its own weights, and the residual stream between them is what the stages send."""
+
+    def __init__(self, m: ModelConfig, par: Parallel, attn: bool = True, mlp: bool = True):
         super().__init__()
+        self.has_attn, self.has_mlp = attn, mlp
         llama = m.family == "llama"
         # this rank's heads; the layers below take the FULL widths and cut them
         self.heads, self.kv_heads = m.num_heads // par.tp, m.kv_heads // par.tp
         self.head_dim, self.window = m.head_dim, m.sliding_window
         h, q, kv, ffn = m.hidden_size, m.num_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn
         up_parts = (ffn, ffn) if llama else (ffn,)  # llama: gate | up
-        self.attn_norm = make_norm(m)
-        # rank r's rows are [q_r; k_r; v_r]: its query heads and its KV-cache heads line up
-        self.qkv = par.column(h, q + 2 * kv, m.use_qkv_bias, parts=(q, kv, kv))
-        qk_norm = (lambda: RMSNorm(m.head_dim, eps=m.norm_eps)) if m.qk_norm else nn.Identity
-        self.q_norm, self.k_norm = qk_norm(), qk_norm()  # per head, whole on every rank
-        self.rotary = Rotary(Rope.of(m)) if llama else NoRotary()
-        self.out = par.row(q, h, m.use_bias)
-        self.mlp_norm = make_norm(m)
-        self.fc1 = par.column(h, sum(up_parts), m.use_bias, parts=up_parts)
-        self.fc2 = par.row(ffn, h, m.use_bias)
-        self.mlp_act = (Gated if llama else Plain)(ACTIVATIONS[m.act])
+        if attn:
+            self.attn_norm = make_norm(m)
+            # rank r's rows are [q_r; k_r; v_r]: its query heads and its KV-cache heads line up
+            self.qkv = par.column(h, q + 2 * kv, m.use_qkv_bias, parts=(q, kv, kv))
+            qk_norm = (lambda: RMSNorm(m.head_dim, eps=m.norm_eps)) if m.qk_norm else nn.Identity
+            self.q_norm, self.k_norm = qk_norm(), qk_norm()  # per head, whole on every rank
+            self.rotary = Rotary(Rope.of(m)) if llama else NoRotary()
+            self.out = par.row(q, h, m.use_bias)
+        if mlp:
+            self.mlp_norm = make_norm(m)
+            self.fc1 = par.column(h, sum(up_parts), m.use_bias, parts=up_parts)
+            self.fc2 = par.row(ffn, h, m.use_bias)
+            self.mlp_act = (Gated if llama else Plain)(ACTIVATIONS[m.act])
 
-    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                 layout: BatchLayout) -> torch.Tensor:
         # x: [T, hidden], T = every token of the micro-batch; q_dim, kv_dim: this rank's
+        if self.has_attn:
+            x = x + self.attention(x, k_cache, v_cache, layout)
+        if self.has_mlp:
+            h = self.fc1(self.mlp_norm(x))  # [T, ffn / tp] or [T, 2 * ffn / tp] (gate, up)
+            x = x + self.fc2(self.mlp_act(h))  # mlp_act: [T, ffn / tp]
+        return x
+
+    def attention(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  layout: BatchLayout) -> torch.Tensor:
+        """The attention half's output projection [T, hidden], before the residual add."""
         q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qkv = self.qkv(self.attn_norm(x))  # [T, q_dim + 2 * kv_dim]
         q = self.q_norm(qkv[:, :q_dim].view(-1, self.heads, self.head_dim))  # [T, heads, head_dim]
@@ -138,24 +155,30 @@ class DecoderLayer(nn.Module):
         v = qkv[:, q_dim + kv_dim:].view(-1, self.kv_heads, self.head_dim)
         q, k = self.rotary(q, k, layout)
         attn = hybrid_attention(q, k, v, k_cache, v_cache, layout, self.window)  # [T, heads, head_dim]
-        x = x + self.out(attn.reshape(-1, q_dim))
-        h = self.fc1(self.mlp_norm(x))  # [T, ffn / tp] or [T, 2 * ffn / tp] (gate, up)
-        return x + self.fc2(self.mlp_act(h))  # mlp_act: [T, ffn / tp]
+        return self.out(attn.reshape(-1, q_dim))
 
 
 class StageModel(nn.Module):
     """Layers [lo, hi) of the model, plus the embedding (first stage) or head (last stage),
-    one tp rank's share of each as `par` cuts it."""
+    one tp rank's share of each as `par` cuts it. `units` (half-layer units [ulo, uhi),
+    `Config.stage_units`) cut the end layers in half where the split does: the first layer
+    may hold only its MLP, the last only its attention."""
 
-    def __init__(self, m: ModelConfig, lo: int, hi: int, par: Parallel = Unsharded()):
+    def __init__(self, m: ModelConfig, lo: int, hi: int, par: Parallel = Unsharded(),
+                 units: tuple[int, int] | None = None):
         super().__init__()
-        self.cfg, self.lo, self.hi, self.par = m, lo, hi, par
-        self.is_first, self.is_last = lo == 0, hi == m.num_layers
+        ulo, uhi = units if units is not None else (2 * lo, 2 * hi)
+        if (ulo // 2, (uhi + 1) // 2) != (lo, hi):
+            raise ValueError(f"half-layer units {units} are not layers [{lo}, {hi})")
+        self.cfg, self.lo, self.hi, self.par, self.units = m, lo, hi, par, (ulo, uhi)
+        self.is_first, self.is_last = ulo == 0, uhi == 2 * m.num_layers
         if self.is_first:
             self.embed = par.vocab_embedding(m.vocab_size, m.hidden_size)
             if m.family == "gpt":
                 self.pos_embed = nn.Embedding(m.max_positions, m.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(m, par) for _ in range(lo, hi))
+        self.layers = nn.ModuleList(DecoderLayer(m, par, ulo <= 2 * i < uhi, ulo <= 2 * i + 1 < uhi)
+                                    for i in range(lo, hi))
+        self.num_attention = sum(layer.has_attn for layer in self.layers)  # KV-cache layers
         if self.is_last:
             self.final_norm = make_norm(m)
             self.lm_head = par.vocab_head(m.vocab_size, m.hidden_size)
@@ -173,8 +196,13 @@ class StageModel(nn.Module):
         Returns hidden states [T, hidden] after this stage's layers."""
         if self.is_first:
             x = self.embed_tokens(x, layout)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, *cache.layer(i), layout)
+        k = 0  # the cache holds the attention halves' layers only
+        for layer in self.layers:
+            if layer.has_attn:
+                x = layer(x, *cache.layer(k), layout)
+                k += 1
+            else:
+                x = layer(x, None, None, layout)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

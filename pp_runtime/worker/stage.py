@@ -47,7 +47,7 @@ class StageWorker:
         par = (Unsharded() if groups is None or groups.tp == 1
                else TensorParallel(groups.tp_group, groups.tp, groups.tp_rank, dtype))
         with torch.device("meta"):  # shapes only; each tensor is allocated once, below
-            model = StageModel(m, self.lo, self.hi, par)
+            model = StageModel(m, self.lo, self.hi, par, cfg.stage_units(stage))
         materialize(model, device, dtype)  # this rank's shard, in its final dtype
         if checkpoint is None:
             model.init_random(cfg.runtime.seed)  # draws only this rank's shard
@@ -57,7 +57,7 @@ class StageWorker:
             prepack_linears(model)
         self.cpu_decode = use_decode_kernel(cfg, device)  # built now, not in the first micro-batch
         self.model = model.eval().requires_grad_(False)
-        self.cache = KVCache.for_stage(cfg, self.hi - self.lo, dtype, device)
+        self.cache = KVCache.for_stage(cfg, model.num_attention, dtype, device)
         self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None
         # every rank creates the hop's group, in the same order (torch.distributed's rule)
         self.hop = (TokenHop(groups, device, cfg.in_flight, cfg.runtime.step_timeout_s)
