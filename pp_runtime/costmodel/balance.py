@@ -21,7 +21,10 @@ layer count, so summing the three parts (layer, embedding, head) over that mix a
 
 by dynamic programming over (stage, layers so far); among the splits that reach the
 minimum, the one with the most even stage times (least sum of squares; ties: earlier
-stages take more layers, as the even split does). No torch.
+stages take more layers, as the even split does). Where whole layers cannot balance the
+stages, the same search over half layers (each layer an attention half and an MLP half,
+priced apart: `StageCostModel.attention_half`) may cut one layer at a boundary; it is
+taken only where it lowers the slowest stage. No torch.
 """
 from __future__ import annotations
 
@@ -54,37 +57,70 @@ def typical_microbatches(cfg: Config) -> list[tuple[float, list[tuple[int, int]]
 def balanced_split(num_layers: int, layer_s: float, extra_s: Sequence[float]) -> list[int]:
     """Layers per stage minimising the slowest stage, where stage s holding k layers costs
     k * layer_s + extra_s[s] (len(extra_s) stages, each >= 1 layer); see the module doc."""
-    pp = len(extra_s)
-    if not 1 <= pp <= num_layers:
-        raise ValueError(f"{num_layers} layers cannot fill {pp} stages")
+    return balanced_units([layer_s] * num_layers, extra_s)
 
-    def cost(s: int, k: int) -> float:
-        return k * layer_s + extra_s[s]
 
-    def choices(s: int, n: int) -> range:  # layers stage s may take when stages 0..s hold n
+def balanced_half_split(num_layers: int, attn_s: float, mlp_s: float,
+                        extra_s: Sequence[float]) -> list[float]:
+    """`balanced_split` where a stage boundary may also cut a layer between its attention
+    half (attn_s) and its MLP half (mlp_s): the half-layer split where it lowers the
+    slowest stage, else the whole-layer one (counts in layers: 6.5 is six layers and an
+    attention half, or an MLP half and six layers)."""
+    whole = balanced_split(num_layers, attn_s + mlp_s, extra_s)
+    units = balanced_units([attn_s, mlp_s] * num_layers, extra_s)
+
+    def slowest(counts: Sequence[float], first_unit_costs: Sequence[float]) -> float:
+        out, at = 0.0, 0
+        for s, k in enumerate(counts):
+            n = round(k * len(first_unit_costs) / num_layers)
+            out = max(out, sum(first_unit_costs[at:at + n]) + extra_s[s])
+            at += n
+        return out
+
+    halves = [k / 2 for k in units]
+    if slowest(halves, [attn_s, mlp_s] * num_layers) < slowest(whole, [attn_s + mlp_s] * num_layers) * (1 - _REL):
+        return [int(k) if float(k).is_integer() else k for k in halves]
+    return whole
+
+
+def balanced_units(unit_s: Sequence[float], extra_s: Sequence[float]) -> list[int]:
+    """Contiguous units per stage minimising the slowest stage, stage s costing the sum of
+    its units' unit_s plus extra_s[s] (each stage >= 1 unit); among the splits that reach
+    the minimum, the least sum of squared stage times (ties: earlier stages take more)."""
+    pp, total = len(extra_s), len(unit_s)
+    if not 1 <= pp <= total:
+        raise ValueError(f"{total} layers cannot fill {pp} stages")
+    prefix = [0.0]
+    for u in unit_s:
+        prefix.append(prefix[-1] + u)
+
+    def cost(s: int, n: int, k: int) -> float:  # stage s holding units [n - k, n)
+        return prefix[n] - prefix[n - k] + extra_s[s]
+
+    def choices(s: int, n: int) -> range:  # units stage s may take when stages 0..s hold n
         return range(1, n - s + 1) if s else range(n, n + 1)
 
     inf = float("inf")
-    # pass 1: least slowest stage over stages 0..s holding n layers
-    worst = [[inf] * (num_layers + 1) for _ in range(pp)]
+    # pass 1: least slowest stage over stages 0..s holding n units
+    worst = [[inf] * (total + 1) for _ in range(pp)]
     for s in range(pp):
-        for n in range(s + 1, num_layers - (pp - 1 - s) + 1):
-            worst[s][n] = min(max(worst[s - 1][n - k] if s else -inf, cost(s, k))
+        for n in range(s + 1, total - (pp - 1 - s) + 1):
+            worst[s][n] = min(max(worst[s - 1][n - k] if s else -inf, cost(s, n, k))
                               for k in choices(s, n))
-    cap = worst[pp - 1][num_layers] * (1 + _REL) + 1e-15
+    cap = worst[pp - 1][total] * (1 + _REL) + 1e-15
     # pass 2: least sum of squared stage times with every stage within the cap
-    squares = [[inf] * (num_layers + 1) for _ in range(pp)]
-    take = [[0] * (num_layers + 1) for _ in range(pp)]
+    squares = [[inf] * (total + 1) for _ in range(pp)]
+    take = [[0] * (total + 1) for _ in range(pp)]
     for s in range(pp):
-        for n in range(s + 1, num_layers - (pp - 1 - s) + 1):
+        for n in range(s + 1, total - (pp - 1 - s) + 1):
             for k in choices(s, n):  # ascending: on a tie the earlier stages keep more
-                t = cost(s, k)
+                t = cost(s, n, k)
                 if t > cap:
                     break  # cost grows with k
-                total = (squares[s - 1][n - k] if s else 0.0) + t * t
-                if total < squares[s][n] * (1 - _REL):
-                    squares[s][n], take[s][n] = total, k
-    split, n = [], num_layers
+                total_sq = (squares[s - 1][n - k] if s else 0.0) + t * t
+                if total_sq < squares[s][n] * (1 - _REL):
+                    squares[s][n], take[s][n] = total_sq, k
+    split, n = [], total
     for s in reversed(range(pp)):
         split.append(take[s][n])
         n -= take[s][n]
@@ -122,13 +158,14 @@ def auto_layer_split(cfg: Config) -> list[int]:
     if key not in _CHOSEN:
         even = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layer_split="even"))
         cost = build_cost_model(even)
-        layer = emb = head = 0.0
+        layer = emb = head = attn = 0.0
         for weight, prefills, decode_kv_lens in typical_microbatches(cfg):
             parts = cost.parts(prefills, decode_kv_lens)
             layer, emb, head = (x + weight * y for x, y in zip((layer, emb, head), parts))
+            attn += weight * cost.attention_half(prefills, decode_kv_lens)
         pp = cfg.parallel.pp
         extra = [0.0] * pp
         extra[0] += emb
         extra[-1] += head
-        _CHOSEN[key] = balanced_split(cfg.model.num_layers, layer, extra)
+        _CHOSEN[key] = balanced_half_split(cfg.model.num_layers, attn, layer - attn, extra)
     return list(_CHOSEN[key])

@@ -30,6 +30,9 @@ from pp_runtime.costmodel.pricing import (Priced, Pricing, Target, attention, la
                                           linear_sources, load_profile, price_op)
 from pp_runtime.costmodel.roofline import LayerShape
 
+ATTENTION_HALF = ("qkv_proj", "out_proj")  # LAYER_OPS of a layer's attention half; the
+SHARED = ("other", "tp_all_reduce")  # norms, adds, all-reduces: half in each half; the rest MLP
+
 if TYPE_CHECKING:  # annotations only: the config consults the cost model for `auto`
     from pp_runtime.config import Config
 
@@ -93,8 +96,12 @@ class StageCostModel:
         self.pricing, self.calibration = pricing, cal
         self.fit = cal.compute if cal else ComputeFit()  # identity without a calibration
         self.host = cal.host if cal else None  # the simulator's host costs (executors/sim.py)
-        self.layers = cfg.layers_per_stage()  # layers per stage
+        self.layers = cfg.layers_per_stage()  # layers per stage (whole or half layers)
         self.deepest = self.layers.index(max(self.layers))  # stage that breakdown() reports
+        # (attention halves, MLP halves) per stage where the split cuts a layer in two
+        units = [cfg.stage_units(s) for s in range(pp)]
+        self.halves = (None if all(lo % 2 == 0 and hi % 2 == 0 for lo, hi in units) else
+                       [((hi + 1) // 2 - (lo + 1) // 2, hi // 2 - lo // 2) for lo, hi in units])
         # stage s holds GPUs [s*tp, (s+1)*tp); a send crosses nodes when first GPUs differ
         self.node = [s * tp // cfg.hardware.gpus_per_node for s in range(pp)]
         self._prefill = pricing.attention.prefill  # (start, n) -> s per layer
@@ -109,6 +116,9 @@ class StageCostModel:
         ops = {name: table(op, size) for name, op in p.layer.items()}
         self._ops = {name: values.tolist() for name, values in ops.items()}  # s per layer
         self._layer = sum(ops.values(), np.zeros(size)).tolist()  # all of them, one layer
+        attn = sum((ops[n] for n in ATTENTION_HALF if n in ops), np.zeros(size))
+        shared = sum((ops[n] for n in SHARED if n in ops), np.zeros(size))
+        self._attn_half = (attn + shared / 2).tolist()  # one layer's attention half, less attention
         self._emb = table(p.embedding, size).tolist()
         self._head = table(p.lm_head, size).tolist()  # by sampling rows
         self._send = {True: table(p.send_inter, size).tolist(),
@@ -138,10 +148,27 @@ class StageCostModel:
                     decode_kv_lens: Sequence[int]) -> list[float]:
         """Seconds of compute on each stage: its layers, plus `parts`' extras at the ends."""
         per_layer, emb, head = self.parts(prefills, decode_kv_lens)
-        times = [k * per_layer for k in self.layers]
+        if self.halves is None:
+            times = [k * per_layer for k in self.layers]
+        else:  # a layer cut in two: each stage's attention and MLP halves priced apart
+            attn = self.attention_half(prefills, decode_kv_lens)
+            times = [a * attn + m * (per_layer - attn) for a, m in self.halves]
         times[0] += emb
         times[-1] += head
         return times
+
+    def attention_half(self, prefills: Sequence[tuple[int, int]],
+                       decode_kv_lens: Sequence[int]) -> float:
+        """Seconds of one layer's attention half (its QKV and output projections, the
+        attention itself, half the norms, adds and all-reduces, half the per-layer fit);
+        the rest of `parts`' layer is its MLP half."""
+        tokens = len(decode_kv_lens) + sum(n for _, n in prefills)
+        attn = self._decode(len(decode_kv_lens), sum(decode_kv_lens)) if decode_kv_lens else 0.0
+        attn += sum(self._prefill(start, n) for start, n in prefills)
+        if tokens >= self._size:
+            self._grow(2 * tokens)
+        fit = self.fit
+        return fit.scale * (self._attn_half[tokens] + attn) + fit.per_layer_s / 2
 
     def microbatch_time(self, prefills: Sequence[tuple[int, int]],
                         decode_kv_lens: Sequence[int]) -> float:

@@ -41,8 +41,8 @@ class StageActor(RelayMember):
         self.device = resolve_device(device)  # raises if Ray gave this actor no GPU
         self.worker, self.relay, self.following = None, None, False
         self.stall_s, self.started, self.done = 0.0, 0, 0
-        lo, hi = cfg.stage_layers(stage)
-        self.label = (f"stage={stage} tp_rank={tp_rank} layers [{lo}, {hi}) "
+        lo, hi = cfg.stage_units(stage)  # half layers: [2.5, 4) starts at layer 2's MLP
+        self.label = (f"stage={stage} tp_rank={tp_rank} layers [{lo / 2:g}, {hi / 2:g}) "
                       f"node {ray.util.get_node_ip_address()}")
 
     def __repr__(self) -> str:  # Ray shows it as the actor's Repr in the dashboard

@@ -115,14 +115,13 @@ def fit_compute(cfg: Config, mbs: dict[int, MicroBatch],
         mb = mbs[i]
         decodes = [s.start + 1 for s in mb.seqs if s.is_decode]
         prefills = [(s.start, len(s.token_ids)) for s in mb.seqs if not s.is_decode]
-        per_layer, emb, head = cost.parts(prefills, decodes)
+        priced = cost.stage_times(prefills, decodes)  # uncalibrated: the tables alone
         rows = len(decodes) + len(prefills)
         for t in timings[i]:
             if t.tp_rank:
                 continue
             s = t.stage
-            priced = layers[s] * per_layer + (emb if s == 0 else 0.0) + (head if s == last else 0.0)
-            x.append([priced, layers[s], rows if s == last else 0.0])
+            x.append([priced[s], layers[s], rows if s == last else 0.0])
             y.append(t.compute_end_s - t.compute_start_s)
     if not y:
         return ComputeFit(), 0, 0.0

@@ -136,8 +136,8 @@ def test_dotted_overrides_reach_sections_sharing_a_field_name():
     ([4, 4, 4], 2, "has 3 entries for pp = 2"),
     ([6, 6], 1, "has 2 entries for pp = 1"),  # pp = 1: only [num_layers] fits
     ([], 1, "has 0 entries for pp = 1"),
-    ([6.0, 6.0], 2, "holds a non-integer"),
-    ([True, 11], 2, "holds a non-integer"),
+    ([6.25, 5.75], 2, "holds a count that is not a whole or half layer"),
+    ([True, 11], 2, "holds a count that is not a whole or half layer"),
     ("evenly", 2, "unknown value 'evenly'"),  # "even" is a value (issue 22)
     (7, 2, "got 7"),
 ], ids=str)

@@ -43,6 +43,9 @@ class MadeUpCost:
     """One layer costs 1 s, the embedding nothing, final norm + LM head 2 s, whatever the
     micro-batch."""
 
+    def attention_half(self, prefills, decode_kv_lens):
+        return 0.5  # half the layer: whole layers balance these stages as well as halves
+
     def parts(self, prefills, decode_kv_lens):
         return 1.0, 0.0, 2.0
 
@@ -110,3 +113,31 @@ def test_simulated_stages_are_busy_alike_with_auto():
     (even, even_cut), (auto, auto_cut) = busy_ratio(None), busy_ratio("auto")
     assert even_cut == [6, 6] and auto_cut == [8, 4]
     assert even > 1.5 and auto < 1.05  # measured: 1.671 and 1.003
+
+
+def test_a_half_layer_cut_where_whole_layers_cannot_balance_by_hand():
+    """Two layers, attention halves 1 s, MLP halves 2 s, the last stage's head 3 s: whole
+    layers give [1, 1] (3 s | 6 s); cutting layer 1 after its attention gives [1.5, 0.5]
+    (4 s | 5 s). With nothing to balance the whole-layer split stays."""
+    from pp_runtime.costmodel.balance import balanced_half_split, balanced_units
+
+    assert balanced_units([1.0, 2.0, 1.0, 2.0], [0.0, 3.0]) == [3, 1]
+    assert balanced_half_split(2, 1.0, 2.0, [0.0, 3.0]) == [1.5, 0.5]
+    assert balanced_half_split(2, 1.0, 1.0, [0.0, 0.0]) == [1, 1]
+    assert balanced_half_split(4, 1.0, 1.0, [0.0, 2.0]) == [2.5, 1.5]  # 6 | 4 whole; 5 | 5
+    assert balanced_half_split(4, 1.0, 1.0, [0.0, 4.0]) == [3, 1]  # whole layers balance: 6 | 6
+
+
+def test_the_cost_model_prices_each_half_on_its_own_stage():
+    """A cut moved by half a layer moves one half's time from one stage to the other; the
+    stages' sum is the whole-layer split's."""
+    from pp_runtime.costmodel.model import build_cost_model
+
+    mb = ([(0, 128)], [300] * 20)
+    whole = build_cost_model(load_config("cpu/gpt2_pp2", layer_split=[6, 6])).stage_times(*mb)
+    cut_cost = build_cost_model(load_config("cpu/gpt2_pp2", layer_split=[6.5, 5.5]))
+    cut = cut_cost.stage_times(*mb)
+    attn = cut_cost.attention_half(*mb)
+    assert cut == pytest.approx([whole[0] + attn, whole[1] - attn])
+    per_layer = cut_cost.parts(*mb)[0]
+    assert 0.2 < attn / per_layer < 0.5  # QKV + out: 4 h^2 of GPT-2's 12 h^2, plus attention

@@ -83,6 +83,9 @@ def test_the_cost_model_prices_a_calibrated_stage_by_the_fit():
 
 
 class MadeUpCost:
+    def attention_half(self, prefills, decode_kv_lens):
+        return 0.5  # half the layer: whole layers balance these stages as well as halves
+
     def parts(self, prefills, decode_kv_lens):
         return 1.0, 0.0, 2.0  # an LM head as costly as 2 layers
 
