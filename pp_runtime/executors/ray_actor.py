@@ -99,9 +99,11 @@ class StageActor(RelayMember):
         self.done += 1
         return result
 
-    def layers(self) -> tuple[int, int]:
-        """Layers [lo, hi) this rank's worker holds: the split that runs."""
-        return self.worker.lo, self.worker.hi
+    def layers(self) -> tuple[float, float]:
+        """Layers [lo, hi) this rank's worker holds, in half layers where a layer is cut
+        (2.5: from layer 2's MLP half): the split that runs."""
+        ulo, uhi = self.worker.model.units
+        return ulo / 2, uhi / 2
 
     def progress(self) -> int:
         """Micro-batches this rank has started plus those it has finished (answered from

@@ -160,7 +160,8 @@ class RayExecutor:
         times = gather([ranks.call(i, "start_times") for i in every], "reporting its start")
         self.start_phases = {"actors up": t1 - t0, "start": t2 - t1,  # seconds, slowest rank
                              **{k: max(r[k] for r in times) for k in times[0]}}
-        self.layer_split = [hi - lo for lo, hi in spans]  # what the workers hold (reports)
+        self.layer_split = [int(k) if float(k).is_integer() else k  # what the workers hold
+                            for k in (hi - lo for lo, hi in spans)]  # (reports), half layers too
         self.transport.start()
 
     def recover(self) -> None:

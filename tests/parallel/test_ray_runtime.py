@@ -121,19 +121,23 @@ def test_tp2_pp2_greedy_survives_preemption(hf_checkpoint):
 
 @pytest.mark.parametrize("hf_checkpoint", ["gpt", "llama"], indirect=True)
 def test_an_uneven_layer_split_is_token_exact_against_transformers(hf_checkpoint):
-    """parallel.layer_split on Ray PP=2, 3 layers cut 1 + 2 (the even split is 2 + 1): each
-    actor built, loaded from the checkpoint and cached exactly its layers, and greedy
-    generation equals transformers' token for token."""
+    """parallel.layer_split on Ray PP=2, 3 layers cut 0.5 + 2.5 (uneven, and inside a layer:
+    stage 0 holds layer 0's attention half, stage 1 its MLP half and layers 1-2): each actor
+    built, loaded from the checkpoint and cached exactly its halves (KV: one layer per
+    attention half), the report's split is the one that ran, and greedy generation equals
+    transformers' token for token."""
     import torch
 
     family, model, path = hf_checkpoint
-    split = [1, 2]
+    split = [0.5, 2.5]
     with LLM.from_pretrained(path, **PLAN, pp=2, layer_split=split) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
         held = ray.get([actor.__ray_call__.remote(
-            lambda a: (a.worker.lo, a.worker.hi, len(a.worker.model.layers), len(a.worker.cache.k)))
+            lambda a: (a.worker.lo, a.worker.hi, len(a.worker.model.layers), len(a.worker.cache.k),
+                       hasattr(a.worker.model.layers[0], "fc1")))
             for actor in llm.executor.actors])
-    assert held == [(0, split[0], split[0], split[0]), (split[0], 3, split[1], split[1])]
+        assert llm.executor.layer_split == split
+    assert held == [(0, 1, 1, 1, False), (0, 3, 3, 2, True)]
     for prompt, out in zip(PROMPTS, outs):
         ids = torch.tensor([prompt])
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
