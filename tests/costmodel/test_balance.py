@@ -104,15 +104,17 @@ def test_simulated_stages_are_busy_alike_with_auto():
     from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import build_report
 
-    def busy_ratio(split):
-        cfg = load_config("cpu/gpt2_pp2", layer_split=split, **{"workload.num_requests": 32})
+    def busy_ratio(split):  # sarathi: the C + (B - 1) mix that `typical_microbatches` prices
+        #                       (uniform's own order moves with its rules: 1.075 since 166d37c)
+        cfg = load_config("cpu/gpt2_pp2", layer_split=split, planner="sarathi",
+                          **{"workload.num_requests": 32})
         busy = [st["busy_s"] for st in build_report(simulate(cfg, progress=False))
                 ["summary"]["per_stage"]]
         return max(busy) / min(busy), balance.resolve_layer_split(cfg).layers_per_stage()
 
     (even, even_cut), (auto, auto_cut) = busy_ratio(None), busy_ratio("auto")
     assert even_cut == [6, 6] and auto_cut == [8, 4]
-    assert even > 1.5 and auto < 1.05  # measured: 1.671 and 1.003
+    assert even > 1.5 and auto < 1.05  # measured: 1.682 and 1.012
 
 
 def test_a_half_layer_cut_where_whole_layers_cannot_balance_by_hand():
