@@ -140,7 +140,7 @@ def main() -> None:
         planner, split = name.split(" ")
         c = cfg.with_overrides(planner=planner, **{"hardware.profile": str(profile)}, **(
             {} if split == "default" else {"layer_split": split if split in ("even", "auto")
-                                           else [int(k) for k in split.split("/")]}))
+                                           else [float(k) if "." in k else int(k) for k in split.split("/")]}))
         c = resolve_layer_split(c)  # chosen once: the real and simulated runs share it
         tag = f"{planner}-{split.replace('/', '_')}"
         print(f"{name}: layer_split {'|'.join(map(str, c.layers_per_stage()))}", flush=True)
