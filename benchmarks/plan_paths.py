@@ -37,8 +37,10 @@ from pathlib import Path
 
 def run(name: str, argv: list[str], out: Path, extra: list[str], code: str | None = None) -> dict:
     """One `pp-runtime plan` in a subprocess (code: the checkout whose package it runs)."""
-    cmd = [sys.executable, "-m", "pp_runtime.cli", "plan", *argv, "--quiet",
-           "--out", str(out / name), *extra]
+    # -P: the working directory is not put before PYTHONPATH (it would import this
+    # checkout's package for the other checkout's run); its workers inherit the path
+    cmd = [sys.executable, *(["-P"] if code else []), "-m", "pp_runtime.cli", "plan", *argv,
+           "--quiet", "--out", str(out / name), *extra]
     env = {**os.environ, "PYTHONPATH": str(Path(code).resolve())} if code else None
     t0, c0 = time.perf_counter(), _children_cpu()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
