@@ -121,18 +121,16 @@ def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
     capacity, false above); None if none is. known_ok: a k already known ok (the first
     probe is then the higher of start and known_ok + 1: a miss up there is cheap, it stops
     early). hint(k), after k missed: a grid point it suggests (the rate the miss still
-    served; a rough estimate that may sit some points either side of the capacity): the
-    next probe goes halfway from it (or from the highest point known ok, if higher) up to
-    k, so the search bisects between the two rather than jumping to the hint, and probes
-    above the capacity (misses, stopped early) more than below it (passes, whole runs).
-    Which points are probed changes, not the answer."""
-    lo, hi, jump = known_ok, None, FIRST_JUMP
+    served): the next probe goes no higher, and from one that passes there the search
+    climbs in small steps. Which points are probed changes, not the answer."""
+    lo, hi, jump, step = known_ok, None, FIRST_JUMP, 0  # step: climbing from a hinted pass
     if lo is not None and lo >= top:
         return lo
     k = min(max(start, floor) if lo is None else max(start, lo + 1), top)
     while True:
+        climb = step  # after a pass: how far up the next probe goes (0: bisect)
         if ok(k):
-            lo = k
+            lo, step = k, 2 * step
             if k >= top:
                 return lo
             if hi is None:  # bracket: up in growing steps
@@ -143,23 +141,27 @@ def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
             if lo is None and k <= floor:
                 return None
             guess = hint(k) if hint else None
-            if lo is None:  # bracket: down, in growing steps, halfway to the hint
-                k, jump = _down(k, guess, jump, floor)
+            if lo is None:  # bracket: down, no higher than the hint, in growing steps
+                k, step, jump = _down(k, guess, jump, floor)
                 continue
-            if guess is not None and lo < guess < hi - 1:
-                k = (guess + hi) // 2  # bisect between the hint and the miss
+            step = climb = 1 if guess is not None and lo < guess < hi - 1 else 0
+            if step:
+                k = guess
                 continue
         if hi - lo <= 1:
             return lo
-        k = (lo + hi) // 2
+        k = min(lo + climb, (lo + hi) // 2) if climb else (lo + hi) // 2
 
 
-def _down(k: int, guess: int | None, jump: int, floor: int) -> tuple[int, int]:
-    """After a miss at k with nothing known to pass: the next probe (halfway down to the
-    hint's point, but at least jump / 2 lower: hints that creep down speed up; without a
-    hint jump lower) and the next jump."""
-    nxt = min((guess + k) // 2, k - jump // 2) if guess is not None and guess < k else k - jump
-    return max(floor, nxt), 2 * jump
+def _down(k: int, guess: int | None, jump: int, floor: int) -> tuple[int, int, int]:
+    """After a miss at k with nothing known to pass: the next probe (the hint's point, but
+    at least jump / 2 lower: hints that creep down speed up), the climbing step (1: the
+    hint chose it), the next jump."""
+    if guess is not None and guess < k:
+        nxt, step = min(guess, k - jump // 2), int(guess <= k - jump // 2)
+    else:
+        nxt, step = k - jump, 0
+    return max(floor, nxt), step, 2 * jump
 
 
 def search_candidate(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache_dir: str | None,

@@ -115,8 +115,8 @@ def test_memory_split_gives_the_end_stages_fewer_layers_where_that_frees_kv():
 @pytest.mark.parametrize("guess", [-30, -9, -7, -6, -5, 0])
 @pytest.mark.parametrize("known", [None, -20])
 def test_a_hint_after_a_miss_changes_the_probes_not_the_answer(guess, known):
-    """A hint below or above the capacity, before or after a point is known to pass: the
-    search bisects between it and the miss, it never takes it for a pass."""
+    """A hint below or above the capacity, before or after a point is known to pass: it
+    chooses where to probe next, it is never taken for a pass."""
     asked = []
 
     def ok(k):
