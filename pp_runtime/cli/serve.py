@@ -61,6 +61,7 @@ def add_parser(sub) -> None:
 
 def cmd_serve(args) -> int:
     from pp_runtime.cli.common import config_from_args, run_base_config
+    from pp_runtime.costmodel.balance import resolve_layer_split
     from pp_runtime.cli.run import what_runs
 
     options = check_flags(args)  # before the config: the cheap checks first
@@ -71,6 +72,7 @@ def cmd_serve(args) -> int:
     base = run_base_config(args)
     serving = {"prefix_caching": True} if not args.no_prefix_cache and base.cache.paged else {}
     cfg = config_from_args(args, base, defaults=serving)  # serving's default; --set wins
+    cfg = resolve_layer_split(cfg)  # auto chosen once, where the server builds its executor
     print(what_runs(cfg, args), flush=True)
     if not is_loopback(args.host):
         print(f"pp-runtime serve: warning: --host {args.host} takes requests from the network; "

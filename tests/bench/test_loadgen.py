@@ -238,8 +238,10 @@ def tiny_server(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     hf_model("gpt").save_pretrained(ckpt)
-    # two pipeline stages in the server's process (the Ray deployment has its own tests)
+    # two pipeline stages in the server's process (the Ray deployment has its own tests),
+    # cut by `auto` (chosen where the server builds its executor)
     with ServerProcess(["--checkpoint", str(ckpt), "--set", "pp=2", "--set", "executor=local",
+                        "--set", "layer_split=auto",
                         "--set", "threads_per_worker=1", "--set", "chunk_size=32", "--set", "max_batch_size=4",
                         "--set", "tile_size=32"],
                        free_port(), tmp_path / "server.log", ready_timeout_s=240) as server:
