@@ -102,14 +102,17 @@ class BasePlanner:
     def abort(self, req: Request, reason: FinishReason, now: float) -> bool:
         """End `req` now unless a micro-batch in flight carries it (False: try again once
         that micro-batch is back): one still waiting leaves the queue, an admitted one is
-        finished and its KV blocks freed."""
+        finished and its KV blocks freed. Planning ahead, one in flight ends at once too
+        (its results are dropped, its blocks go back when they return: `finish`)."""
         if req.finished:
             return True
         if req.blocks is None:  # admitted to nothing (yet, or again: preempted)
             self.waiting.remove(req)
             req.finish_reason, req.finish_s = reason, now
-        elif req.in_flight:
+        elif req.in_flight and not self.ahead:
             return False
+        elif req.in_flight:  # planning ahead a decoding request is nearly always in
+            self.finish(req, reason, now)  # flight: it ends now, its KV once back (`finish`)
         else:
             self.finish(req, reason, now)
         return True

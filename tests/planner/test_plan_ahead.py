@@ -167,3 +167,29 @@ def test_fill_placeholders_refuses_a_row_that_is_not_one():
     assert filled.seqs[0].token_ids == (41,) and filled.placeholders == ()
     with pytest.raises(ValueError, match="not a placeholder"):
         fill_placeholders(replace(mb, placeholders=((1, 1),)), lambda src, rid: 0)
+
+
+def test_an_abort_lands_while_a_decode_is_planned_ahead():
+    """A request decoding with a decode ahead is nearly always in flight: the abort ends it
+    at once (not 'try again once back', which would never come), its in-flight results
+    are dropped and its blocks come back."""
+    p = planner("vllm", pp=2, eos_token_id=EOS, chunk_size=8, max_batch_size=3,
+                tile_align=False)
+    p.plan_ahead(True)
+    ex = Stage0Pipeline(2, {}, p.eos)
+    ex.prompts = PROMPTS
+    for rid, prompt in PROMPTS.items():
+        p.add(Request(rid, prompt, SamplingParams(max_tokens=30), seed=0))
+    aborted = []
+
+    def on_microbatch(mb, out):
+        r = p.requests[1]
+        if mb.placeholders and not aborted and r.in_flight:
+            assert p.abort(r, "aborted", ex.now)
+            aborted.append(len(r.output_token_ids))
+
+    run(p, ex, p.cfg.in_flight + 1, clock=ex.clock, on_microbatch=on_microbatch)
+    r = p.requests[1]
+    assert aborted and r.finish_reason == "aborted" and len(r.output_token_ids) == aborted[0]
+    assert all(len(q.output_token_ids) == 30 for q in p.requests.values() if q is not r)
+    assert p.kv.pool.num_free == p.kv.pool.num_blocks and not p._draining
