@@ -77,6 +77,20 @@ def test_ray_token_hop_equals_transformers(gpt, local_ray, pp):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("relay", [False, True], ids=["tasks", "relay"])
+def test_ray_token_hop_at_tp2_equals_transformers(gpt, local_ray, relay):
+    """token_hop: true at TP = 2 (auto leaves it off there): each stage-0 TP rank receives
+    its own copy of the ids."""
+    _, path, prompts, reference = gpt
+    outs, mbs, hop, free = generate(path, prompts, SamplingParams(max_tokens=NEW, ignore_eos=True),
+                                    tp=2, pp=2, executor="ray", compiled_graph=False,
+                                    tp_relay=relay, token_hop=True)
+    assert hop and any(mb.placeholders for mb in mbs)
+    assert [o.token_ids for o in outs] == reference
+    assert free
+
+
+@pytest.mark.slow
 def test_ray_token_hop_seeded_sampling_equals_the_path_without_it(gpt, local_ray):
     _, path, prompts, _ = gpt
     params = SamplingParams(max_tokens=NEW, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
