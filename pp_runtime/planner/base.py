@@ -300,8 +300,9 @@ class BasePlanner:
         keyed = self.kv.pool.prefix_caching
         for s in mb.seqs:
             req = requests.get(s.request_id)
-            if req is None or req.finish_reason is not None:  # a wasted decode (`_draining`)
-                self._drained(s)
+            if req is None or req.finish_reason is not None:  # a wasted decode (`_draining`):
+                self._drained(s)  # its token is no output: taken out of the result, so no
+                tokens.pop(s.request_id, None)  # callback (streams, journal, report) sees it
                 continue
             req.num_computed += len(s.token_ids)
             if keyed:

@@ -88,10 +88,18 @@ def generate(name: str, ahead: bool, pp: int = 2, eos_at=None, max_tokens=8, **o
     ex.prompts = PROMPTS
     for rid, prompt in PROMPTS.items():
         p.add(Request(rid, prompt, SamplingParams(max_tokens=max_tokens), seed=0))
-    log = []
+    log, seen = [], {}
     depth = p.cfg.in_flight + (1 if ahead else 0)
-    run(p, ex, depth, clock=ex.clock, on_submit=lambda mb: log.append(mb))
-    return {rid: r.output_token_ids for rid, r in p.requests.items()}, p, ex, log
+
+    def on_microbatch(mb, out):  # what the callbacks see (streams, journal) = the outputs
+        for rid, tok in out.tokens.items():
+            seen.setdefault(rid, []).append(tok)
+
+    run(p, ex, depth, clock=ex.clock, on_submit=lambda mb: log.append(mb),
+        on_microbatch=on_microbatch)
+    outputs = {rid: r.output_token_ids for rid, r in p.requests.items()}
+    assert seen == outputs  # a wasted decode's token reaches no callback
+    return outputs, p, ex, log
 
 
 @pytest.mark.parametrize("name", ["uniform", "vllm", "sarathi-serve"])
