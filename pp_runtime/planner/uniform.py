@@ -76,8 +76,9 @@ class UniformPlanner(BasePlanner):
             cost_model = build_cost_model(cfg)
         self.pp, self.depth = cfg.parallel.pp, cfg.in_flight
         ms = lambda v: None if v is None else v / 1e3  # noqa: E731
-        self.budget = TimeBudget(cost_model, self.depth, pl.tile_size, ms(pl.tbt_slo_ms),
-                                 ms(pl.ttft_slo_ms), ms(pl.target_ms))
+        self._budget_args = (cost_model, pl.tile_size, ms(pl.tbt_slo_ms), ms(pl.ttft_slo_ms),
+                             ms(pl.target_ms))
+        self.budget = self._time_budget(self.depth)
         self.bounded = pl.tbt_slo_ms is not None or pl.target_ms is not None
         self.pack, self.tile = pl.pack_prefills, pl.tile_size
         self.max_batch = pl.max_batch_size or UNBOUNDED_ROWS  # rows: pages and T bound them
@@ -94,6 +95,23 @@ class UniformPlanner(BasePlanner):
         batch = not self.bounded and pl.ttft_slo_ms is None  # no target: for the makespan
         self.order = (SlackOrder(self.waiting, self.rounds, self.depth * self.budget.knee_s)
                       if batch else None)  # arrived requests longest first (planner/order.py)
+
+    def _time_budget(self, depth: int) -> TimeBudget:
+        cost, tile, tbt, ttft, target = self._budget_args
+        return TimeBudget(cost, depth, tile, tbt, ttft, target)
+
+    def plan_ahead(self, on: bool) -> bool:
+        """With the token hop a request's next decode may enter stage 0 as its token leaves
+        the last stage, pp micro-batches after the one that sampled it (`ahead_gap`): the
+        round between its tokens is pp micro-batches, not the pp + 1 the driver's return
+        made it, so the time budget divides the TBT target by pp."""
+        ahead = super().plan_ahead(on)
+        depth = self.ahead_gap if ahead else self.cfg.in_flight
+        if depth != self.depth:
+            self.depth, self.budget = depth, self._time_budget(depth)
+            if self.order is not None:
+                self.order.round_s = depth * self.budget.knee_s
+        return ahead
 
     def add(self, req: Request) -> None:
         super().add(req)

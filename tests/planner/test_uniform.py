@@ -44,6 +44,22 @@ def test_the_period_comes_from_the_tbt_target():
     assert TimeBudget(Toy(), 3, 128, 0.3, target_s=0.02).base_s == 0.02  # target_ms by hand
 
 
+def test_with_the_token_hop_the_round_between_tokens_is_pp_microbatches():
+    """S = 300 ms at pp 2: through the driver a token's round is pp + 1 = 3 micro-batches
+    (T = 0.95 x 0.3 / 3 = 95 ms); with the token hop (planning ahead) the next decode
+    enters stage 0 as the token leaves the last stage, pp = 2 micro-batches later
+    (T = 142.5 ms). Off again: back to 3."""
+    p = toy(tbt_slo_ms=300.0)
+    assert (p.depth, p.budget.base_s) == (3, pytest.approx(0.095))
+    assert p.plan_ahead(True)
+    assert (p.depth, p.budget.base_s) == (2, pytest.approx(0.1425))
+    p.plan_ahead(False)
+    assert (p.depth, p.budget.base_s) == (3, pytest.approx(0.095))
+    offline = toy()  # no target: the queue's round (longest first) follows the depth too
+    offline.plan_ahead(True)
+    assert offline.order.round_s == pytest.approx(2 * offline.budget.knee_s)
+
+
 def test_a_target_below_one_decode_through_the_pipeline_is_refused_naming_the_floor():
     """One decode alone: 1 ms + 0.01 ms + 0.001 ms = 1.011 ms per micro-batch, 3 in flight:
     the floor is 3.033 ms."""
