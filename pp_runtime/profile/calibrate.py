@@ -156,8 +156,10 @@ def calibrate(cfg: Config, profile: str | Path, requests: int = 10, executor=Non
     fit what the profile misses; saved into the profile's calibration.json. Without an
     `executor` a second run of `requests` // 2 whole prompts (`WHOLE_PROMPTS`) adds long
     micro-batches to the compute fit (the host costs come from the first run)."""
+    # the path the simulator prices: tokens back through the driver (the token hop's waits
+    # on stage 0 are not priced yet, docs/simulator.md), unless an executor is handed in
     cfg = cfg.with_overrides(**{"hardware.profile": str(profile), "workload.num_requests": requests,
-                                "workload.qps": None})
+                                "workload.qps": None, "runtime.token_hop": False})
     cfg = resolve_layer_split(cfg).with_layer_split_resolved()
     timed, mbs, timings = _run(cfg, executor)
     fit, points, rms = fit_compute(cfg, mbs, timings)

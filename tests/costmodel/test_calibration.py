@@ -126,3 +126,23 @@ def test_the_compute_fit_recovers_a_known_contention():
     fit, points, rms = fit_compute(cfg, mbs, timings)
     assert points == 24 and rms < 1e-6
     assert (fit.scale, fit.per_layer_s, fit.per_row_s) == pytest.approx((1.3, 0.002, 0.0005))
+
+
+def test_a_calibration_runs_the_path_the_simulator_prices(monkeypatch, tmp_path):
+    """The simulator prices tokens back through the driver, not the token hop's waits on
+    stage 0: the calibration's real run has the hop off whatever the config says."""
+    from pp_runtime.profile import calibrate as cal
+
+    seen = []
+
+    def stop(cfg, executor):
+        seen.append(cfg)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(cal, "_run", stop)
+    cfg = Config().with_overrides(pp=2, executor="ray", token_hop="auto", layer_split="even")
+    try:
+        cal.calibrate(cfg, tmp_path, requests=2, save=False)
+    except RuntimeError:
+        pass
+    assert seen and seen[0].runtime.token_hop is False
