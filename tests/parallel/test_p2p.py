@@ -4,15 +4,13 @@ one receive), a prefill-sized one as header then slice, and both arrive bit-exac
 fp32 and bf16, the micro-batch id checked."""
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 from datetime import timedelta
 
 import torch
+from spawned_ranks import run_ranks
 
 from pp_runtime.core.batch import MicroBatch, SeqChunk
-from pp_runtime.profile.p2p import _reap
-from pp_runtime.core.net import free_port
 from pp_runtime.parallel.p2p import ONE_MESSAGE_BYTES
 
 HIDDEN = 64
@@ -55,15 +53,7 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 def test_small_slices_ride_in_the_header_message_and_all_arrive_exact():
-    ctx, port = multiprocessing.get_context("spawn"), free_port("127.0.0.1")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        results = dict((r, (a, b)) for r, a, b in (out.get(timeout=60) for _ in procs))
-    finally:
-        _reap(procs, 10)
+    results = dict((r, (a, b)) for r, a, b in run_ranks(_rank, 2))
     sent, _ = results[0]
     _, got = results[1]
     assert isinstance(sent, list), sent

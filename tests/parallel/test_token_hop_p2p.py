@@ -5,14 +5,12 @@ batches that sample nothing, drops those past its horizon unread, and both sides
 cleanly with messages still due; a message out of order is named."""
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 from datetime import timedelta
 
 import torch
+from spawned_ranks import run_ranks
 
-from pp_runtime.core.net import free_port
-from pp_runtime.profile.p2p import _reap
 
 # micro-batch id -> the request ids that sample in it (plan order); 2 samples nothing
 PLANS = {0: [4, 7], 1: [5], 2: [], 3: [7, 4, 9], 4: [5], 5: [4], 6: [8]}
@@ -58,15 +56,7 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 def test_stage_zero_gets_each_id_lazily_in_order_and_both_sides_stop_cleanly():
-    ctx, port = multiprocessing.get_context("spawn"), free_port("127.0.0.1")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(3)]
-    try:
-        for p in procs:
-            p.start()
-        results = dict(out.get(timeout=60) for _ in procs)
-    finally:
-        _reap(procs, 10)
+    results = dict(run_ranks(_rank, 3))
     got = results[0]
     assert isinstance(got, list), got
     assert got[:2] == [_token(3, 4), _token(1, 5)]
