@@ -210,6 +210,13 @@ def _check_runtime(rt, p) -> None:
            "runtime.token_hop", f"unknown value {rt.token_hop!r}", "use auto, true or false")
     _check(rt.kv_layout in ("auto", "heads", "tokens"), "runtime.kv_layout",
            f"unknown layout {rt.kv_layout!r}", "use auto, heads or tokens")
+    _check(rt.decode_attention in ("auto", "paged", "gather"), "runtime.decode_attention",
+           f"unknown kernel {rt.decode_attention!r}", "use auto, paged or gather")
+    _check(isinstance(rt.cuda_graphs, bool) or rt.cuda_graphs == "auto", "runtime.cuda_graphs",
+           f"unknown value {rt.cuda_graphs!r}", "use auto, true or false")
+    _check(isinstance(rt.graph_max_decodes, int) and rt.graph_max_decodes >= 1,
+           "runtime.graph_max_decodes", f"must be a whole number >= 1, got {rt.graph_max_decodes!r}",
+           "set it to the most decodes a graph replays, e.g. 256")
     _check(rt.step_timeout_s > 0 and rt.startup_timeout_s > 0, "runtime.step_timeout_s",
            "timeouts must be > 0", "use e.g. 120 and 300 seconds")
     _check(rt.recovery_attempts >= 0, "runtime.recovery_attempts",

@@ -244,6 +244,16 @@ class RuntimeConfig:
     #                          keys contiguous: decode attention streams them), "tokens"
     #                          ([slot][position][head], the flattened rows FlashAttention's
     #                          varlen decode reads); "auto": heads on a CPU, tokens on CUDA
+    # CUDA fast paths (docs/gpu.md)
+    decode_attention: str = "auto"  # decodes on CUDA: "paged" (a Triton kernel reads the
+    #                                 block tables, model/paged_kernel.py), "gather" (the keys
+    #                                 gathered, then FlashAttention-2 varlen); "auto": paged
+    #                                 where Triton imports
+    cuda_graphs: bool | str = "auto"  # decode-only micro-batches replayed from CUDA graphs,
+    #                                   one per bucket of decode counts (worker/graphs.py);
+    #                                   "auto": on CUDA at tp = 1 with paged decodes; true on a
+    #                                   CPU runs the same static buffers uncaptured (tests)
+    graph_max_decodes: int = 256  # the largest bucket; more decodes run eagerly
 
 
 @dataclass(frozen=True)

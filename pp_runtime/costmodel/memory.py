@@ -128,14 +128,15 @@ class StageMemory:
 
     @property
     def kv_bytes(self) -> int:
-        return self.blocks * self.kv_bytes_per_block
+        """The pool and the one scratch block past it (`KVCache.scratch_block`)."""
+        return (self.blocks + 1) * self.kv_bytes_per_block
 
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes
 
     def blocks_that_fit(self, usable_bytes: float) -> int:
-        return max(0, math.floor((usable_bytes - self.weight_bytes) / self.kv_bytes_per_block))
+        return max(0, math.floor((usable_bytes - self.weight_bytes) / self.kv_bytes_per_block) - 1)
 
     def slots_that_fit(self, usable_bytes: float) -> int:
         return self.blocks_that_fit(usable_bytes) // self.blocks_per_slot

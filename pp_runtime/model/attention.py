@@ -12,9 +12,10 @@ cache (block table[p // block_size], offset p % block_size); every layer reuses 
   for the first chunk, the lower-right causal bias for a later one.
 - A decode (one token) reads exactly its first kv_len keys. On a CPU one call of our C++
   kernel per layer walks every decode's block table in place (`cpu_kernels`, when the
-  worker has it); on CUDA (fp16/bf16) the decodes' keys are gathered once per layer into
-  a varlen batch for one FlashAttention-2 call; elsewhere one SDPA call per decode on its
-  gathered keys.
+  worker has it); on CUDA one Triton kernel per layer does the same (`paged_kernel`,
+  when Triton imports; `runtime.decode_attention`); the fallback on CUDA (fp16/bf16)
+  gathers the decodes' keys once per layer into a varlen batch for one FlashAttention-2
+  call; elsewhere one SDPA call per decode on its gathered keys.
 - A sliding window W (Mistral; `window`, fixed per layer) keeps query p on keys
   (p - W, p]: a prefill chunk that reaches past W gets that band as its mask and only the
   keys it can see; a decode past W reads its last W keys on every path (the C++ kernel
@@ -33,14 +34,15 @@ from torch.nn.attention.bias import causal_lower_right
 
 from pp_runtime.core.batch import MicroBatch
 from pp_runtime.model.cpu_kernels import decode_attention_cpu
+from pp_runtime.model.paged_kernel import paged_decode
 from pp_runtime.model.rope import Rope, rope  # noqa: F401  (rope: for the profiler)
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what FlashAttention's CUDA kernels take
 
 # calls per path since import: prefill one per span and layer, decode_views one per decode
-# and layer, decode_varlen and decode_cpu one per layer; a dict increment, cheap on the hot path
+# and layer, decode_varlen, decode_cpu and decode_paged one per layer; a dict increment, cheap on the hot path
 _path_calls = {"prefill_causal": 0, "prefill_lower_right": 0, "prefill_window": 0, "decode_views": 0,
-               "decode_varlen": 0, "decode_cpu": 0}
+               "decode_varlen": 0, "decode_cpu": 0, "decode_paged": 0}
 
 
 def attention_paths() -> dict[str, int]:
@@ -73,6 +75,7 @@ class BatchLayout:
     decode_lens: list[int]  # decode_seqlens as plain ints
     block_size: int
     cpu_decode: bool = False  # decodes through the CPU kernel (the worker has it built)
+    paged: bool = False  # decodes through the paged Triton kernel (`model/paged_kernel.py`)
     _cache: dict = field(default_factory=dict)  # per-micro-batch tables built on first use
 
     def rope_tables(self, spec: Rope, dtype: torch.dtype):
@@ -94,11 +97,9 @@ class BatchLayout:
                 first = max(0, n - window) if window else 0
                 rows.extend(blocks[j // bs] * bs + j % bs for j in range(first, n))
                 cu.append(len(rows))
-            device = self.positions.device
             used = [b - a for a, b in zip(cu, cu[1:])]
-            self._cache[key] = (torch.tensor(rows, dtype=torch.long, device=device),
-                                torch.tensor(cu, dtype=torch.int32, device=device),
-                                torch.tensor(used, dtype=torch.int32, device=device))
+            rows_t, cu_t, used_t = to_device(self.positions.device, rows, cu, used)
+            self._cache[key] = (rows_t, cu_t.int(), used_t.int())
         return self._cache[key]
 
     def window_mask(self, span: PrefillSpan, n: int, window: int) -> tuple[int, torch.Tensor]:
@@ -114,10 +115,8 @@ class BatchLayout:
 
     @classmethod
     def build(cls, mb: MicroBatch, device: torch.device, block_size: int,
-              cpu_decode: bool = False) -> "BatchLayout":
-        positions, ends, wb, wo, prefills, sample_rows, decodes = [], [], [], [], [], [], []
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+              cpu_decode: bool = False, paged: bool = False) -> "BatchLayout":
+        positions, ends, wb, wo, spans, sample_rows, decodes = [], [], [], [], [], [], []
         row, bs = 0, block_size
         for s in mb.seqs:
             n, blocks = s.num_tokens, s.blocks
@@ -130,16 +129,32 @@ class BatchLayout:
             if s.is_decode:
                 decodes.append((row, s.kv_len, list(used)))
             else:
-                prefills.append(PrefillSpan(slice(row, row + n), as_long(used), s.start))
+                spans.append((slice(row, row + n), list(used), s.start))
             row += n
             if s.sampling is not None:
                 sample_rows.append(row - 1)
         width = max((len(t) for _, _, t in decodes), default=0)
-        tables = [t + [0] * (width - len(t)) for _, _, t in decodes]
-        return cls(as_long(positions), as_long(ends), as_long(wb), as_long(wo), prefills,
-                   as_long([r for r, _, _ in decodes]), as_int([n for _, n, _ in decodes]),
-                   as_int(tables).reshape(len(decodes), width), as_long(sample_rows),
-                   [t for _, _, t in decodes], [n for _, n, _ in decodes], bs, cpu_decode)
+        tables = [b for _, _, t in decodes for b in t + [0] * (width - len(t))]
+        lens = [n for _, n, _ in decodes]
+        (positions, ends, wb, wo, decode_rows, seqlens, tables, sample_rows,
+         *span_blocks) = to_device(device, positions, ends, wb, wo, [r for r, _, _ in decodes],
+                                   lens, tables, sample_rows, *(b for _, b, _ in spans))
+        prefills = [PrefillSpan(rows, blocks, start)
+                    for (rows, _, start), blocks in zip(spans, span_blocks)]
+        return cls(positions, ends, wb, wo, prefills, decode_rows, seqlens.int(),
+                   tables.int().reshape(len(decodes), width), sample_rows,
+                   [t for _, _, t in decodes], lens, bs, cpu_decode, paged)
+
+
+def to_device(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    """int64 tensors of `lists` on `device`. On CUDA all of them travel as ONE pinned host
+    buffer and one non-blocking copy (a blocking copy per tensor would make the host wait
+    for the GPU's queue at every micro-batch); the tensors are views of the one on the
+    device. torch's pinned-memory cache keeps a host buffer until its copy has run."""
+    if device.type != "cuda":
+        return [torch.tensor(xs, dtype=torch.long, device=device) for xs in lists]
+    flat = torch.tensor([x for xs in lists for x in xs], dtype=torch.long).pin_memory()
+    return list(flat.to(device, non_blocking=True).split([len(xs) for xs in lists]))
 
 
 def gather_kv(cache: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
@@ -201,12 +216,15 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
 
 def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, layout: BatchLayout) -> str:
     """The decode path: "cpu" (one call of our C++ kernel) where the layout says the worker
-    has it; "varlen" (one FlashAttention-2 call over the gathered keys) for CUDA fp16/bf16,
+    has it; "paged" (one Triton kernel reading the block tables, `paged_kernel.py`) where
+    the layout says the worker runs it (CUDA with Triton, by default); "varlen" (one FlashAttention-2 call over the gathered keys) for CUDA fp16/bf16,
     a head_dim it takes (a multiple of 8 up to 256) and a cache in "tokens" order (it
     gathers rows of the flattened cache; kv_cache.py); else "views". Every path honours a
     sliding `window`."""
     if layout.cpu_decode and q.dtype in (torch.float32, torch.bfloat16):
         return "cpu"
+    if layout.paged:
+        return "paged"
     head_dim = q.shape[-1]
     if (q.is_cuda and q.dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
             and k_cache.is_contiguous() and _torch_has_flash_varlen()):
@@ -227,6 +245,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _path_calls["decode_cpu"] += 1
         return decode_attention_cpu(q, k_cache, v_cache, layout.decode_tables,
                                     layout.decode_seqlens, window)
+    if kernel == "paged":
+        _path_calls["decode_paged"] += 1
+        return paged_decode(q, k_cache, v_cache, layout.decode_tables, layout.decode_seqlens, window)
     if kernel == "varlen":
         _path_calls["decode_varlen"] += 1
         kv_heads, head_dim = k_cache.shape[2:]
@@ -264,6 +285,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     positions with a window). Returns [T, heads, head_dim]."""
     k_cache[layout.write_blocks, layout.write_offsets] = k.to(k_cache.dtype)
     v_cache[layout.write_blocks, layout.write_offsets] = v.to(v_cache.dtype)
+    if not layout.prefills:  # decodes only (rows in order): no scatter into an output
+        return decode_attention(q, k_cache, v_cache, layout, window)
     out = torch.empty_like(q)
     for span in layout.prefills:
         out[span.rows] = prefill_attention(q[span.rows], k_cache, v_cache, span, layout, window)

@@ -12,6 +12,9 @@ from). "heads": stored [kv_heads, num_blocks, block_size, head_dim] and shown pe
 one head's keys are contiguous within a block and across consecutive blocks (the
 allocator hands a prompt's blocks out in a row), and a decode streams them: faster decode
 attention on a CPU core than the strided "tokens" order, bit-identical results.
+
+One block past the pool, `scratch_block`, is never handed out: CUDA graphs point their
+padded decodes at it (`worker/graphs.py`), so padding writes no request's keys.
 """
 from __future__ import annotations
 
@@ -32,15 +35,16 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  heads_major: bool = False):
         def one() -> torch.Tensor:  # [num_blocks, block_size, kv_heads, head_dim], either order
+            n = num_blocks + 1  # the pool and the scratch block
             if heads_major:  # one head's blocks in a row: [kv_heads, num_blocks, block_size, head_dim]
-                return torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
+                return torch.zeros(kv_heads, n, block_size, head_dim, dtype=dtype,
                                    device=device).permute(1, 2, 0, 3)
-            return torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
-                               device=device)
+            return torch.zeros(n, block_size, kv_heads, head_dim, dtype=dtype, device=device)
 
         self.k = [one() for _ in range(num_layers)]
         self.v = [one() for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch_block = num_blocks  # written by padded decodes, read by nobody else
 
     @classmethod
     def for_stage(cls, cfg: Config, num_layers: int, dtype: torch.dtype,

@@ -20,16 +20,19 @@ import torch
 
 from pp_runtime.core.batch import MicroBatch, RankResult, StageTiming, fill_placeholders, sampling_ids
 from pp_runtime.config import Config
+from pp_runtime.core.errors import ConfigError
 from pp_runtime.worker.device import torch_dtype
 from pp_runtime.costmodel.memory import check_stage_fits
 from pp_runtime.model.attention import BatchLayout
 from pp_runtime.model.cpu_kernels import prepack_linears, use_decode_kernel, use_prepack
 from pp_runtime.model.kv_cache import KVCache
+from pp_runtime.model.paged_kernel import use_paged_decode
 from pp_runtime.model.loader import load_stage_weights
 from pp_runtime.model.transformer import StageModel, materialize
 from pp_runtime.parallel.groups import StageGroups
 from pp_runtime.parallel.layers import TensorParallel, Unsharded
 from pp_runtime.parallel.p2p import StageLink, TokenHop
+from pp_runtime.worker.graphs import DecodeGraphs
 from pp_runtime.worker.sampling import sample
 from pp_runtime.telemetry.timer import Op, Timer, device_timer
 
@@ -56,13 +59,34 @@ class StageWorker:
         if use_prepack(cfg, device):  # after loading: packing drops the dense weights
             prepack_linears(model)
         self.cpu_decode = use_decode_kernel(cfg, device)  # built now, not in the first micro-batch
+        self.paged = use_paged_decode(cfg, device)
         self.model = model.eval().requires_grad_(False)
         self.cache = KVCache.for_stage(cfg, model.num_attention, dtype, device)
+        self.graphs = self._graphs(groups, dtype)
         self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None
         # every rank creates the hop's group, in the same order (torch.distributed's rule)
         self.hop = (TokenHop(groups, device, cfg.in_flight, cfg.runtime.step_timeout_s)
                     if self.link is not None and cfg.runtime.token_hop is True else None)
         self.timer: Timer = device_timer(device)  # times every call (CUDA: anchored once here)
+
+    def _graphs(self, groups: StageGroups | None, dtype: torch.dtype) -> DecodeGraphs | None:
+        """CUDA graphs for decode-only micro-batches (`runtime.cuda_graphs`): auto on CUDA at
+        tp = 1 when decode attention reads the block tables from tensors (paged); true on
+        a CPU runs the graphs' static buffers uncaptured, with the C++ decode kernel."""
+        rt, tp = self.cfg.runtime, groups.tp if groups else 1
+        tables_in_tensors = self.paged or self.cpu_decode
+        on = (rt.cuda_graphs is True or (rt.cuda_graphs == "auto" and self.device.type == "cuda"))
+        if not on or tp > 1 or not tables_in_tensors:
+            if rt.cuda_graphs is True and (tp > 1 or not tables_in_tensors):
+                raise ConfigError("runtime.cuda_graphs: true needs tp = 1 and decode attention "
+                                  "that reads block tables from tensors (paged on CUDA, the C++ "
+                                  "kernel on a CPU); use auto or false")
+            return None
+        bs = self.cfg.cache.block_size
+        return DecodeGraphs(self.model, self.cache, bs, rt.graph_max_decodes,
+                            -(-self.cfg.seq_len // bs), dtype, self.device,
+                            capture=self.device.type == "cuda", cpu_decode=self.cpu_decode,
+                            paged=self.paged)
 
     def close_hop(self) -> None:
         """A clean shutdown: the token hop's messages still due are taken (`TokenHop.close`)."""
@@ -80,10 +104,26 @@ class StageWorker:
     @torch.inference_mode()
     def forward(self, mb: MicroBatch, x: torch.Tensor | None) -> tuple[torch.Tensor, BatchLayout]:
         """Hidden states [num_tokens, hidden] after this stage's layers."""
-        layout = BatchLayout.build(mb, self.device, self.cfg.cache.block_size, self.cpu_decode)
+        layout = BatchLayout.build(mb, self.device, self.cfg.cache.block_size, self.cpu_decode,
+                                   self.paged)
         if self.model.is_first:
             x = self.input_ids(mb)
         return self.model(x, self.cache, layout), layout
+
+    @torch.inference_mode()
+    def compute(self, mb: MicroBatch, x: torch.Tensor | None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(hidden states [num_tokens, hidden] for the next stage, or None on the last;
+        logits [num_sampling, vocab] on the last stage, else None): from a CUDA graph for a
+        decode-only micro-batch that fits one (`worker/graphs.py`), else eagerly."""
+        bucket = self.graphs.bucket(mb) if self.graphs is not None else None
+        if bucket is not None:
+            y = self.graphs.run(mb, x, bucket)
+            return (None, y) if self.is_last else (y, None)
+        hidden, layout = self.forward(mb, x)
+        if self.is_last:
+            return None, self.model.logits(hidden[layout.sample_rows])  # [num_sampling, vocab]
+        return hidden, None
 
     @torch.inference_mode()
     def execute(self, mb: MicroBatch, x: torch.Tensor | None = None
@@ -103,11 +143,10 @@ class StageWorker:
         if self.link is not None and not self.model.is_first:
             x = self.link.recv(mb, rec)
         with rec.span(Op.COMPUTE):
-            hidden, layout = self.forward(mb, x)
-            out, tokens = hidden, None
+            out, logits = self.compute(mb, x)
+            tokens = None
             if self.is_last:
-                out, seqs = None, [s for s in mb.seqs if s.sampling is not None]
-                logits = self.model.logits(hidden[layout.sample_rows])  # [num_sampling, vocab]
+                seqs = [s for s in mb.seqs if s.sampling is not None]
                 if self.tp_rank == 0:  # every rank holds the same logits; one samples
                     ids = sample(logits, [s.sampling for s in seqs], [s.kv_len for s in seqs])
                     tokens = {s.request_id: t for s, t in zip(seqs, ids)}
@@ -116,7 +155,7 @@ class StageWorker:
         if hop is not None and hop.receives:
             hop.expect(mb.mb_id, sampling_ids(mb))
         if self.link is not None and not self.is_last:
-            self.link.send(mb, hidden, rec)
+            self.link.send(mb, out, rec)
         spans = rec.resolve()
         start, end = spans[Op.COMPUTE]
         timing = StageTiming(mb.mb_id, self.stage, self.tp_rank, spans.seconds(Op.RECV_WAIT),
