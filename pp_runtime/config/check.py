@@ -214,6 +214,9 @@ def _check_runtime(rt, p) -> None:
            f"unknown kernel {rt.decode_attention!r}", "use auto, paged or gather")
     _check(isinstance(rt.cuda_graphs, bool) or rt.cuda_graphs == "auto", "runtime.cuda_graphs",
            f"unknown value {rt.cuda_graphs!r}", "use auto, true or false")
+    _check(isinstance(rt.compile_small_ops, bool) or rt.compile_small_ops == "auto",
+           "runtime.compile_small_ops", f"unknown value {rt.compile_small_ops!r}",
+           "use auto, true or false")
     _check(isinstance(rt.graph_max_decodes, int) and rt.graph_max_decodes >= 1,
            "runtime.graph_max_decodes", f"must be a whole number >= 1, got {rt.graph_max_decodes!r}",
            "set it to the most decodes a graph replays, e.g. 256")

@@ -254,6 +254,8 @@ class RuntimeConfig:
     #                                   "auto": on CUDA at tp = 1 with paged decodes; true on a
     #                                   CPU runs the same static buffers uncaptured (tests)
     graph_max_decodes: int = 256  # the largest bucket; more decodes run eagerly
+    compile_small_ops: bool | str = False  # torch.compile RMSNorm, RoPE and SwiGLU's gate
+    #                                        (model/transformer.py); "auto": on CUDA
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,32 @@ from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.parallel.layers import Parallel, Unsharded, shard_of
 
 
+_COMPILED: dict[str, object] = {}  # name -> torch.compile'd small op (`compile_small_ops`)
+
+
+def compile_small_ops() -> None:
+    """Replace the small elementwise ops (RMSNorm, RoPE, SwiGLU's gate) by torch.compile'd
+    versions for this process (`runtime.compile_small_ops`): each one fused kernel instead
+    of several passes over the rows. Shapes are marked dynamic, so a new token count does
+    not recompile; the first call of each compiles (seconds)."""
+    if not _COMPILED:
+        for name, fn in (("rms_norm", _rms_norm), ("rope", rope), ("swiglu", _swiglu)):
+            _COMPILED[name] = torch.compile(fn, dynamic=True)
+
+
+def _op(name: str, fn):
+    return _COMPILED.get(name, fn)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)  # [T, ffn / tp] each
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.RMSNorm):
     """torch's RMSNorm (`F.rms_norm` in fp32), the weight applied after the cast back to
     the input dtype, as transformers' LlamaRMSNorm does: bit-equal to it in fp32, bf16 and
@@ -49,8 +75,7 @@ class RMSNorm(nn.RMSNorm):
     from transformers' sooner: tests/model/test_norm.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)  # [..., dim] fp32
-        return self.weight * normed.to(x.dtype)
+        return _op("rms_norm", _rms_norm)(x, self.weight, self.eps)  # normed in fp32
 
 
 def make_norm(m: ModelConfig) -> nn.Module:
@@ -76,7 +101,8 @@ class Rotary(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, layout: BatchLayout):
         cos, sin = layout.rope_tables(self.spec, q.dtype)  # [T, 1, head_dim]
-        return rope(q, cos, sin), rope(k, cos, sin)
+        fn = _op("rope", rope)
+        return fn(q, cos, sin), fn(k, cos, sin)
 
 
 class NoRotary(nn.Module):
@@ -94,6 +120,8 @@ class Gated(nn.Module):
         self.act = act
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.act is F.silu:  # SwiGLU: one compiled kernel where compile_small_ops ran
+            return _op("swiglu", _swiglu)(h)
         gate, up = h.chunk(2, dim=-1)  # [T, ffn / tp] each
         return self.act(gate) * up
 

@@ -22,8 +22,9 @@ is back-pressure (`Op.SEND_WAIT`). The caller's `SpanRecord` takes the spans (`t
   current stream wait for NCCL's stream; spans are events on the current stream, so they
   measure how long the *stream* was held: from being free for this micro-batch until the
   header had arrived, then until the activations were gathered; after computing, until
-  the previous send had completed. Only the header check (`.item()`) waits on the host,
-  for this stream, never for a send in flight.
+  the previous send had completed. The header is copied to pinned host memory without
+  waiting and checked after the call's timing has resolved (`check_headers`): nothing
+  in a receive waits on the host.
 
 `warm_up` exchanges one element with each neighbour before the first micro-batch, so that
 creating NCCL's communicators does not land in the first micro-batch's wait.
@@ -49,6 +50,19 @@ class StageLink:
         self.g, self.hidden, self.dtype, self.device = groups, hidden, dtype, device
         self.width = hidden // groups.tp  # one TP rank's slice of the activations
         self._pending: list = []  # (work, tensor) of sends in flight: tensors kept alive
+        self._headers: list = []  # CUDA: (pinned host copy of a header, the id expected)
+
+    def _check(self, got: int, want: int) -> None:
+        if got != want:
+            raise RuntimeError(f"stage {self.g.stage} tp rank {self.g.tp_rank}: expected "
+                               f"micro-batch {want}, the previous stage sent {got}")
+
+    def check_headers(self) -> None:
+        """CUDA: check the headers received in this call, after the stream has passed them
+        (the caller's timing resolved): no host sync on a receive."""
+        for host, want in self._headers:
+            self._check(int(host[0]), want)
+        self._headers.clear()
 
     def recv(self, mb: MicroBatch, rec: SpanRecord) -> torch.Tensor:
         """The previous stage's activations [T, hidden]; spans RECV_WAIT and TRANSFER."""
@@ -59,9 +73,12 @@ class StageLink:
         with rec.span(Op.RECV_WAIT):
             dist.recv(buf, src=self.g.prev_rank)
         with rec.span(Op.TRANSFER):  # starts where the wait ended, on host and stream alike
-            if (got := int(buf[:HEADER_BYTES].view(torch.long).item())) != mb.mb_id:
-                raise RuntimeError(f"stage {self.g.stage} tp rank {self.g.tp_rank}: expected "
-                                   f"micro-batch {mb.mb_id}, the previous stage sent {got}")
+            header = buf[:HEADER_BYTES].view(torch.long)
+            if self.device.type == "cuda":  # read once the call's timing has resolved
+                host = torch.empty(1, dtype=torch.long, pin_memory=True)
+                self._headers.append((host.copy_(header, non_blocking=True), mb.mb_id))
+            else:
+                self._check(int(header.item()), mb.mb_id)
             if one:
                 part = buf[HEADER_BYTES:].view(self.dtype).view(mb.num_tokens, self.width)
             else:

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from pp_runtime.core.batch import MicroBatch, SeqChunk, slot_blocks
 from pp_runtime.config import Config
 from pp_runtime.worker.device import resolve_device, torch_dtype
+from pp_runtime.model.paged_kernel import use_paged_decode
 from pp_runtime.core.errors import ConfigError
 from pp_runtime.model.attention import BatchLayout, decode_attention, prefill_attention
 from pp_runtime.model.cpu_kernels import (PackedLinear, can_prepack, prepack_linears,
@@ -189,14 +190,14 @@ def _prefill_op(layer: DecoderLayer, cache: KVCache, chunk: int, cached: int) ->
 
 
 def _decode_op(layer: DecoderLayer, cache: KVCache, batch: int, cached: int, per: int,
-               cpu_decode: bool = False) -> Callable:
+               cpu_decode: bool = False, paged: bool = False) -> Callable:
     """The runtime's decode path, picked as `hybrid_attention` does (`cpu_decode`: the
-    worker's CPU kernel), for `batch` decodes with `cached` tokens already in the cache each
+    worker's CPU kernel; `paged`: the Triton kernel on CUDA), for `batch` decodes with `cached` tokens already in the cache each
     (decode i in context i, `per` blocks each)."""
     w = layer.qkv.weight
     mb = MicroBatch(0, tuple(SeqChunk(i, slot_blocks(i, per), cached, (0,), None, is_decode=True)
                              for i in range(batch)))
-    lay = BatchLayout.build(mb, w.device, cache.block_size, cpu_decode)
+    lay = BatchLayout.build(mb, w.device, cache.block_size, cpu_decode, paged)
     q = torch.randn(batch, layer.heads, layer.head_dim, dtype=w.dtype,
                     device=w.device)  # [b, heads / tp, head_dim]
     kv = itertools.cycle([cache.layer(i) for i in range(len(cache.k))]).__next__
@@ -221,6 +222,7 @@ def measure_attention(cfg: Config, layer: DecoderLayer, grid: ProfileGrid, effor
                       bar: tqdm) -> list[dict]:
     m, device, rows = cfg.model, layer.qkv.weight.device, []
     cpu_decode = use_decode_kernel(cfg, device)  # as the worker decides
+    paged = use_paged_decode(cfg, device)
     for is_prefill, points in ((True, grid.prefills), (False, grid.decodes)):
         slots = 1 if is_prefill else max((b for b, _ in points), default=1)
         cache = _filled_cache(layer, slots, cfg.seq_len, cfg.cache.block_size, cold_layers(cfg),
@@ -228,7 +230,7 @@ def measure_attention(cfg: Config, layer: DecoderLayer, grid: ProfileGrid, effor
         for a, cached in points:  # a: the chunk (prefill) or the number of decodes
             op = (_prefill_op(layer, cache, a, cached) if is_prefill else
                   _decode_op(layer, cache, a, cached, -(-cfg.seq_len // cfg.cache.block_size),
-                             cpu_decode))
+                             cpu_decode, paged))
             ms = median_ms(op, device, effort)
             rows.append({"n_embd": m.hidden_size, "n_q_head": m.num_heads,
                          "n_kv_head": m.kv_heads, "num_tensor_parallel_workers": cfg.parallel.tp,

@@ -28,7 +28,7 @@ from pp_runtime.model.cpu_kernels import prepack_linears, use_decode_kernel, use
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.paged_kernel import use_paged_decode
 from pp_runtime.model.loader import load_stage_weights
-from pp_runtime.model.transformer import StageModel, materialize
+from pp_runtime.model.transformer import StageModel, compile_small_ops, materialize
 from pp_runtime.parallel.groups import StageGroups
 from pp_runtime.parallel.layers import TensorParallel, Unsharded
 from pp_runtime.parallel.p2p import StageLink, TokenHop
@@ -61,6 +61,9 @@ class StageWorker:
         self.cpu_decode = use_decode_kernel(cfg, device)  # built now, not in the first micro-batch
         self.paged = use_paged_decode(cfg, device)
         self.model = model.eval().requires_grad_(False)
+        small = cfg.runtime.compile_small_ops
+        if small is True or (small == "auto" and device.type == "cuda"):
+            compile_small_ops()
         self.cache = KVCache.for_stage(cfg, model.num_attention, dtype, device)
         self.graphs = self._graphs(groups, dtype)
         self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None
@@ -157,6 +160,8 @@ class StageWorker:
         if self.link is not None and not self.is_last:
             self.link.send(mb, out, rec)
         spans = rec.resolve()
+        if self.link is not None:
+            self.link.check_headers()
         start, end = spans[Op.COMPUTE]
         timing = StageTiming(mb.mb_id, self.stage, self.tp_rank, spans.seconds(Op.RECV_WAIT),
                              spans.seconds(Op.TRANSFER), start, end, spans.seconds(Op.SEND_WAIT))
