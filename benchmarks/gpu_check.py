@@ -258,14 +258,20 @@ def check_table2(args) -> None:
     saved = eager(worker)
     eager_dec = cuda_ms(lambda: run(dec), 10)
     worker.graphs, worker.paged = saved
+    chunk = cuda_ms(lambda: run((SeqChunk(0, 0, 0, tuple(range(1021)), GREEDY),)), 10)
+    busy = {name: gpu_busy(lambda s=seqs: run(s))[0] for name, seqs in batches.items()}
     pre, dec_only, hyb = ms.values()
     per_prefill = pre / 4096
     per_decode = dec_only / 4
     piggy = (hyb - per_prefill * 1021) / 3
     lines = [f"LLaMA-13B shapes, {layers} of 40 layers, bf16, CUDA events, median of 10 (ms for these layers, LM head included)"]
     for name, t in ms.items():
-        lines.append(f"  {name:<34} {t:8.2f} ms")
-    lines.append(f"  (decode-only without CUDA graphs: {eager_dec:.2f} ms)")
+        lines.append(f"  {name:<34} {t:8.2f} ms   (CUDA kernels {busy[name]:.2f} ms)")
+    added = (ms["hybrid (1021 prefill + 3 decodes)"] - chunk) / 3  # the decodes' marginal cost
+    per_dec = ms["decode-only (4 at 1024 ctx)"] / 4
+    lines.append(f"  (decode-only without CUDA graphs: {eager_dec:.2f} ms; the 1021-token chunk alone "
+                 f"{chunk:.2f} ms, so a piggybacked decode adds {added:.4f} ms: "
+                 f"{per_dec / max(added, 1e-9):.1f}x cheaper than decode-only)")
     ratio = per_decode / max(piggy, 1e-9)
     lines.append(f"  per prefill token {per_prefill:.4f} ms; per decode token: decode-only "
                  f"{per_decode:.3f} ms, piggybacked {piggy:.4f} ms -> {ratio:.1f}x cheaper "
@@ -300,6 +306,46 @@ def stage_weight_bytes(worker) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters() if p is not skip)
 
 
+def gpu_busy(fn, repeats: int = 5) -> tuple[float, list[tuple[str, float]]]:
+    """(ms of CUDA kernels per call, the 6 costliest kernels in ms per call) of fn, from
+    torch.profiler: what the GPU did, beside the events' wall time around the call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, getattr(e, "self_device_time_total", 0.0) / 1e3 / repeats) for e in prof.key_averages()]
+    rows = [r for r in rows if r[1] > 0]
+    return sum(t for _, t in rows), sorted(rows, key=lambda r: -r[1])[:6]
+
+
+def check_paged_kernel(args) -> None:
+    """The paged decode kernel alone on one LLaMA-13B layer's cache (40 heads of 128, KV
+    1024): GB/s of keys and values read, by tile (BLOCK_N) and warps."""
+    from pp_runtime.model.paged_kernel import paged_decode
+
+    cfg, worker = llama13b_stage(1, slots=65, positions=2048)
+    k, v = worker.cache.k[0], worker.cache.v[0]
+    per = per_slot(cfg)
+    lines = ["  D   BLOCK_N warps   ms      GB/s"]
+    for d in (4, 64):
+        tables = torch.tensor([[(i + 1) * per + j for j in range(per)] for i in range(d)],
+                              dtype=torch.int32, device=DEV[0])
+        lens = torch.full((d,), 1025, dtype=torch.int32, device=DEV[0])
+        q = torch.randn(d, 40, 128, dtype=torch.bfloat16, device=DEV[0])
+        nbytes = d * 1025 * 2 * 40 * 128 * 2
+        for bn in (32, 64, 128):
+            for warps in (2, 4, 8):
+                ms = cuda_ms(lambda: paged_decode(q, k, v, tables, lens, None, bn, warps), 20)
+                lines.append(f"  {d:<3} {bn:<7} {warps:<5} {ms:6.3f}  {nbytes / ms / 1e6:7.0f}")
+    report("paged-kernel", "INFO", "one layer, KV 1024, LLaMA-13B heads; median of 20\n" + "\n".join(lines))
+    del worker
+    torch.cuda.empty_cache()
+
+
 def check_decode(args) -> None:
     """Decode-only micro-batches of D at KV 1024 against the HBM bound: the weights and
     every decode's keys and values read once, at the measured copy bandwidth."""
@@ -314,7 +360,7 @@ def check_decode(args) -> None:
     lines = [f"LLaMA-13B shapes, 4 layers + LM head ({weights / 1e9:.2f} GB of weights), KV 1024, "
              f"bf16; copy bandwidth {bw / 1e12:.2f} TB/s (spec {spec.name} {spec.mem_bandwidth / 1e12:.2f}); "
              f"ms, median of 10", "  D    bound   graphs+paged (% of bound)   eager paged   eager gather"]
-    worst = 1.0
+    worst, notes = 1.0, []
     for d in counts:
         mb_seqs = slot_tables(decodes(d, 1024), per)
         run = lambda: worker.execute(MicroBatch(0, mb_seqs))  # noqa: E731
@@ -328,7 +374,13 @@ def check_decode(args) -> None:
         worker.graphs, worker.paged = saved
         worst = min(worst, bound / t)
         lines.append(f"  {d:<4} {bound:6.3f}   {t:6.3f} ({bound / t:5.1%})            {t_paged:6.3f}        {t_gather:6.3f}")
-    report("decode", "PASS" if worst >= 0.7 else "WARN", "\n".join(lines) +
+        if d == counts[0]:
+            graph = worker.graphs.graphs[d][0]
+            replay = cuda_ms(graph.replay, 10)
+            busy, top = gpu_busy(run)
+            notes.append(f"  D={d}: the graph's replay alone {replay:.3f} ms; CUDA kernels {busy:.3f} ms a call "
+                         "(torch.profiler), costliest: " + "; ".join(f"{n[:60]} {ms:.3f}" for n, ms in top))
+    report("decode", "PASS" if worst >= 0.7 else "WARN", "\n".join(lines + notes) +
            f"\n  worst {worst:.1%} of the bound (goal >= 70%)")
     del worker
     torch.cuda.empty_cache()
@@ -336,8 +388,8 @@ def check_decode(args) -> None:
 
 def check_prefill(args) -> None:
     """Prefill of 4 x 1024 tokens on 4 LLaMA-13B layers against the bf16 tensor-core peak
-    measured here (an 8192^3 matrix product); then again with the small ops compiled
-    (`runtime.compile_small_ops`; process-wide, so this section runs last)."""
+    measured here (an 8192^3 matrix product), with the small ops eager and compiled
+    (`runtime.compile_small_ops`, process-wide: this section runs last)."""
     from pp_runtime.model.transformer import compile_small_ops
 
     cfg, worker = llama13b_stage(4, slots=5)
@@ -347,12 +399,8 @@ def check_prefill(args) -> None:
     attn = 4 * m.num_heads * (1024 * 1025 / 2) * m.head_dim * 2 * 2  # QK^T and PV, causal, a layer
     flops = 2 * layer_params * 4096 + 4 * attn + 2 * 4 * m.hidden_size * m.vocab_size
     peak = matmul_peak()
-    for label in ("eager small ops", "compiled small ops"):
-        if label.startswith("compiled"):
-            t0 = time.perf_counter()
-            compile_small_ops()
-            worker.execute(MicroBatch(0, seqs))
-            label += f" (compiled in {time.perf_counter() - t0:.0f} s)"
+    for label in ("eager small ops", "compiled small ops (the default on CUDA)"):
+        compile_small_ops(label.startswith("compiled"))
         t = cuda_ms(lambda: worker.execute(MicroBatch(0, seqs)), 10)
         rate = flops / (t / 1e3)
         report("prefill", "PASS" if rate >= 0.6 * peak else "WARN",
@@ -436,7 +484,8 @@ def check_profile(args) -> None:
 
 SECTIONS = {"env": check_env, "hf-gpt2": lambda a: check_hf("gpt2", a),
             "hf-llama": lambda a: check_hf("llama", a), "kernels": check_kernels,
-            "table2": check_table2, "decode": check_decode, "timing": check_timing, "pp2": check_pp2,
+            "table2": check_table2, "decode": check_decode, "paged-kernel": check_paged_kernel,
+            "timing": check_timing, "pp2": check_pp2,
             "profile": check_profile, "prefill": check_prefill}
 
 

@@ -26,6 +26,7 @@ cache (block table[p // block_size], offset p % block_size); every layer reuses 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -121,11 +122,12 @@ class BatchLayout:
         for s in mb.seqs:
             n, blocks = s.num_tokens, s.blocks
             used = blocks[:-(-s.kv_len // bs)]  # the blocks of positions [0, kv_len)
-            pos = range(s.start, s.start + n)
-            positions.extend(pos)
+            positions.extend(range(s.start, s.start + n))
             ends.extend([s.kv_len] * n)
-            wb.extend(blocks[p // bs] for p in pos)
-            wo.extend(p % bs for p in pos)
+            for j in range(s.start // bs, (s.start + n - 1) // bs + 1):  # block by block
+                a, b = max(s.start, j * bs), min(s.start + n, (j + 1) * bs)
+                wb.extend([blocks[j]] * (b - a))
+                wo.extend(range(a - j * bs, b - j * bs))
             if s.is_decode:
                 decodes.append((row, s.kv_len, list(used)))
             else:
@@ -153,7 +155,7 @@ def to_device(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
     device. torch's pinned-memory cache keeps a host buffer until its copy has run."""
     if device.type != "cuda":
         return [torch.tensor(xs, dtype=torch.long, device=device) for xs in lists]
-    flat = torch.tensor([x for xs in lists for x in xs], dtype=torch.long).pin_memory()
+    flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long).pin_memory()
     return list(flat.to(device, non_blocking=True).split([len(xs) for xs in lists]))
 
 

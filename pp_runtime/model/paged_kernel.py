@@ -102,7 +102,7 @@ def use_paged_decode(cfg: Config, device: torch.device) -> bool:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, window: int | None = None,
-                 block_n: int = 64) -> torch.Tensor:
+                 block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
     """q: [D, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim] (any
     memory order with the head_dim innermost); tables: [D, width] int32 block ids (only
     the first ceil(n / block_size) of a row are read); lens: [D] int32 keys per decode
@@ -122,5 +122,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], tables.stride(0),
         out.stride(0), out.stride(1), head_dim ** -0.5, int(window or 2**30), heads // kv_heads,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_P2=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n)
+        BLOCK_N=block_n, num_warps=num_warps)
     return out

@@ -43,20 +43,23 @@ from pp_runtime.parallel.layers import Parallel, Unsharded, shard_of
 
 
 _COMPILED: dict[str, object] = {}  # name -> torch.compile'd small op (`compile_small_ops`)
+_USE_COMPILED = [False]
 
 
-def compile_small_ops() -> None:
-    """Replace the small elementwise ops (RMSNorm, RoPE, SwiGLU's gate) by torch.compile'd
-    versions for this process (`runtime.compile_small_ops`): each one fused kernel instead
-    of several passes over the rows. Shapes are marked dynamic, so a new token count does
-    not recompile; the first call of each compiles (seconds)."""
-    if not _COMPILED:
+def compile_small_ops(on: bool = True) -> None:
+    """Run the small elementwise ops (RMSNorm, RoPE, SwiGLU's gate) through torch.compile'd
+    versions in this process, or not (`runtime.compile_small_ops`; process-wide, the last
+    stage built decides): each one fused kernel instead of several passes over the rows.
+    Shapes are marked dynamic, so a new token count does not recompile; the first call of
+    each compiles (seconds)."""
+    if on and not _COMPILED:
         for name, fn in (("rms_norm", _rms_norm), ("rope", rope), ("swiglu", _swiglu)):
             _COMPILED[name] = torch.compile(fn, dynamic=True)
+    _USE_COMPILED[0] = on
 
 
 def _op(name: str, fn):
-    return _COMPILED.get(name, fn)
+    return _COMPILED[name] if _USE_COMPILED[0] else fn
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -62,8 +62,7 @@ class StageWorker:
         self.paged = use_paged_decode(cfg, device)
         self.model = model.eval().requires_grad_(False)
         small = cfg.runtime.compile_small_ops
-        if small is True or (small == "auto" and device.type == "cuda"):
-            compile_small_ops()
+        compile_small_ops(small is True or (small == "auto" and device.type == "cuda"))
         self.cache = KVCache.for_stage(cfg, model.num_attention, dtype, device)
         self.graphs = self._graphs(groups, dtype)
         self.link = StageLink(groups, m.hidden_size, dtype, device) if groups and groups.pp > 1 else None

@@ -189,18 +189,23 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @cuda
+@pytest.mark.parametrize("decodes", ["paged", "gather"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_cuda_hybrid_batch_runs_on_flash(hf_checkpoint, dtype, monkeypatch):
+def test_cuda_hybrid_batch_runs_on_flash(hf_checkpoint, dtype, decodes, monkeypatch):
     """On CUDA in half precision the chunks run inside the flash-only context and the decodes
-    in one varlen call per layer; against the float32 CPU run they are as accurate as the
-    unfused kernels in the same dtype (math backend, one call per decode): half precision's
-    rounding, no more (a wrong mask or slot would be far off)."""
+    in one call per layer (the paged Triton kernel, or the gather path's varlen flash);
+    against the float32 CPU run they are as accurate as the unfused kernels in the same
+    dtype (math backend, one call per decode): half precision's rounding, no more (a wrong
+    mask or slot would be far off)."""
+    if decodes == "paged":
+        pytest.importorskip("triton")
     family, model, path = hf_checkpoint
     p = prompts(model.config.vocab_size)
     ref, _ = hybrid_run(make_worker(path), p)  # float32 on the CPU
     with sdpa_kernel(FLASH_ONLY):
-        fused, calls = hybrid_run(make_worker(path, "cuda", dtype), p)
-    assert calls == {"prefill_lower_right": LAYERS, "decode_varlen": LAYERS}
+        fused, calls = hybrid_run(make_worker(path, "cuda", dtype, decode_attention=decodes), p)
+    kernel = "decode_paged" if decodes == "paged" else "decode_varlen"
+    assert calls == {"prefill_lower_right": LAYERS, kernel: LAYERS}
     monkeypatch.setattr(attention, "decode_kernel", lambda q, k_cache, layout: "views")
     with sdpa_kernel(SDPBackend.MATH):
         unfused, _ = hybrid_run(make_worker(path, "cuda", dtype), p)

@@ -103,3 +103,22 @@ def test_host_syncs_per_micro_batch(graphs):
         counts.append(sum("synchroniz" in str(x.message) for x in seen))
     print(f"host syncs per decode-only micro-batch ({'graph' if graphs else 'eager'}): {counts}")
     assert counts[-1] <= 2
+
+
+def test_compiled_small_ops_match_the_eager_ones():
+    """RMSNorm, RoPE and SwiGLU through torch.compile (the CUDA default) give the eager
+    logits of a hybrid micro-batch to bf16 rounding."""
+    from pp_runtime.model.transformer import compile_small_ops
+
+    lens = [9, 30]
+    cfg, w = _prefilled(lens, cuda_graphs=False)
+    seqs = tuple(SeqChunk(s, s, n, (5,), GREEDY, is_decode=True) for s, n in enumerate(lens))
+    mb = MicroBatch(10, slot_tables(seqs + (SeqChunk(2, 2, 0, tuple(range(1, 20)), GREEDY),), cfg))
+    outs = []
+    try:
+        for on in (False, True):
+            compile_small_ops(on)
+            outs.append(w.compute(mb, None)[1])
+    finally:
+        compile_small_ops(True)
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)
