@@ -27,6 +27,18 @@ GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 SHAPE = dict(pp=3, chunk_size=32, tile_size=16, max_batch_size=4)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    """One local Ray for the file, started as a pipeline starts its own (`start_ray`: every
+    port on 127.0.0.1, a killed actor's SIGKILL 1 s after its SIGTERM); each pipeline
+    below joins it instead of starting and stopping a Ray of its own (the suite's time)."""
+    from pp_runtime.executors.local_ray import shutdown_ray, start_ray
+
+    start_ray(None, 8)
+    yield
+    shutdown_ray()
+
+
 @pytest.fixture(scope="module")
 def reference():
     with LLM("tiny", executor="local", **SHAPE) as llm:

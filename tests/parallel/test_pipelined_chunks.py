@@ -24,10 +24,21 @@ def gpt(tmp_path_factory):
     return model, path
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for the file, started as a pipeline starts its own (`start_ray`); both
+    pipelines join it instead of starting and stopping a Ray each (the suite's time)."""
+    from pp_runtime.executors.local_ray import shutdown_ray, start_ray
+
+    start_ray(None, 4)
+    yield
+    shutdown_ray()
+
+
 @pytest.mark.parametrize("pp, planner", [(2, "uniform"), (3, "gllm")])  # every planner,
 # pipelined or not, gives the same tokens at PP=2 in one process: tests/engine/test_planners_e2e.py
 @pytest.mark.slow
-def test_pipelined_chunks_on_ray_equal_transformers(gpt, pp, planner):
+def test_pipelined_chunks_on_ray_equal_transformers(gpt, local_ray, pp, planner):
     model, path = gpt
     prompts = [[(13 * i + 7 * j) % 299 + 1 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
     llm = LLM.from_pretrained(path, planner=planner, chunk_size=8, max_batch_size=3,
