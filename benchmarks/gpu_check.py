@@ -264,9 +264,12 @@ def check_table2(args) -> None:
     per_prefill = pre / 4096
     per_decode = dec_only / 4
     piggy = (hyb - per_prefill * 1021) / 3
+    hosts = {name: host_top(lambda s=seqs: run(s)) for name, seqs in batches.items() if "decode-only" not in name}
     lines = [f"LLaMA-13B shapes, {layers} of 40 layers, bf16, CUDA events, median of 10 (ms for these layers, LM head included)"]
     for name, t in ms.items():
         lines.append(f"  {name:<34} {t:8.2f} ms   (CUDA kernels {busy[name]:.2f} ms)")
+    for name, top in hosts.items():
+        lines.append(f"  host, {name}: {top}")
     added = (ms["hybrid (1021 prefill + 3 decodes)"] - chunk) / 3  # the decodes' marginal cost
     per_dec = ms["decode-only (4 at 1024 ctx)"] / 4
     lines.append(f"  (decode-only without CUDA graphs: {eager_dec:.2f} ms; the 1021-token chunk alone "
@@ -320,6 +323,19 @@ def gpu_busy(fn, repeats: int = 5) -> tuple[float, list[tuple[str, float]]]:
     rows = [(e.key, getattr(e, "self_device_time_total", 0.0) / 1e3 / repeats) for e in prof.key_averages()]
     rows = [r for r in rows if r[1] > 0]
     return sum(t for _, t in rows), sorted(rows, key=lambda r: -r[1])[:6]
+
+
+def host_top(fn, n: int = 6) -> str:
+    """The costliest host-side operations of one call of fn (torch.profiler, self CPU time):
+    where the host spends the time the GPU waits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:n]
+    return "; ".join(f"{e.key[:40]} {e.self_cpu_time_total / 1e3:.2f} ms x{e.count}" for e in rows)
 
 
 def check_paged_kernel(args) -> None:

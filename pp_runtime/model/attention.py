@@ -77,6 +77,7 @@ class BatchLayout:
     block_size: int
     cpu_decode: bool = False  # decodes through the CPU kernel (the worker has it built)
     paged: bool = False  # decodes through the paged Triton kernel (`model/paged_kernel.py`)
+    token_ids: torch.Tensor | None = None  # [num_tokens] input ids (built for the first stage)
     _cache: dict = field(default_factory=dict)  # per-micro-batch tables built on first use
 
     def rope_tables(self, spec: Rope, dtype: torch.dtype):
@@ -116,7 +117,9 @@ class BatchLayout:
 
     @classmethod
     def build(cls, mb: MicroBatch, device: torch.device, block_size: int,
-              cpu_decode: bool = False, paged: bool = False) -> "BatchLayout":
+              cpu_decode: bool = False, paged: bool = False, ids: bool = False) -> "BatchLayout":
+        """The layout of `mb` on `device`, its index tensors in one copy (`to_device`);
+        with `ids`, the input token ids too (the first stage's input)."""
         positions, ends, wb, wo, spans, sample_rows, decodes = [], [], [], [], [], [], []
         row, bs = 0, block_size
         for s in mb.seqs:
@@ -138,14 +141,17 @@ class BatchLayout:
         width = max((len(t) for _, _, t in decodes), default=0)
         tables = [b for _, _, t in decodes for b in t + [0] * (width - len(t))]
         lens = [n for _, n, _ in decodes]
-        (positions, ends, wb, wo, decode_rows, seqlens, tables, sample_rows,
-         *span_blocks) = to_device(device, positions, ends, wb, wo, [r for r, _, _ in decodes],
-                                   lens, tables, sample_rows, *(b for _, b, _ in spans))
+        token_ids = [t for s in mb.seqs for t in s.token_ids] if ids else []
+        (token_ids, positions, ends, wb, wo, decode_rows, seqlens, tables, sample_rows,
+         *span_blocks) = to_device(device, token_ids, positions, ends, wb, wo,
+                                   [r for r, _, _ in decodes], lens, tables, sample_rows,
+                                   *(b for _, b, _ in spans))
         prefills = [PrefillSpan(rows, blocks, start)
                     for (rows, _, start), blocks in zip(spans, span_blocks)]
         return cls(positions, ends, wb, wo, prefills, decode_rows, seqlens.int(),
                    tables.int().reshape(len(decodes), width), sample_rows,
-                   [t for _, _, t in decodes], lens, bs, cpu_decode, paged)
+                   [t for _, _, t in decodes], lens, bs, cpu_decode, paged,
+                   token_ids if ids else None)
 
 
 def to_device(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:

@@ -67,9 +67,9 @@ class DecodeGraphs:
         self.sizes, self.width, self.capture = buckets(max_decodes), max_blocks, capture
         self.device = device
         m, w = max_decodes, max_blocks
-        # one int64 buffer: ids, positions, ends, write blocks, write offsets, lens; the
-        # block tables apart ([m, w]: a row's columns past its blocks are never read)
-        self.ints = torch.zeros(6 * m, dtype=torch.long, device=device)
+        # [6, m]: ids, positions, ends, write blocks, write offsets, lens; the block
+        # tables apart ([m, w]: a row's columns past its blocks are never read)
+        self.ints = torch.zeros(6, m, dtype=torch.long, device=device)
         self.tables = torch.zeros(m, w, dtype=torch.long, device=device)
         self.x = None if model.is_first else torch.zeros(m, model.cfg.hidden_size, dtype=dtype, device=device)
         self.rows = torch.arange(m, device=device)
@@ -86,8 +86,7 @@ class DecodeGraphs:
         return bucket_for(len(seqs), self.sizes)
 
     def _views(self, b: int):
-        m = len(self.rows)
-        ids, pos, ends, wb, wo, lens = (self.ints[i * m:i * m + b] for i in range(6))
+        ids, pos, ends, wb, wo, lens = self.ints[:, :b]
         return ids, pos, ends, wb, wo, lens, self.tables[:b]
 
     def pack(self, mb: MicroBatch | None, b: int) -> None:
@@ -95,7 +94,7 @@ class DecodeGraphs:
         two host-to-device copies, the six per-row columns and the used columns of the
         block tables (u, the widest decode's blocks; nothing reads past a row's own).
         mb None: all padding (the capture's inputs)."""
-        m, bs, scratch = len(self.rows), self.block_size, self.cache.scratch_block
+        bs, scratch = self.block_size, self.cache.scratch_block
         seqs = mb.seqs if mb is not None else ()
         pad = b - len(seqs)
         u = max((-(-s.kv_len // bs) for s in seqs), default=1)
@@ -115,11 +114,10 @@ class DecodeGraphs:
         for col, v in zip(cols, (0, 0, 1, scratch, 0, 1)):  # padding: one key, the scratch block
             col.extend([v] * pad)
         tables.extend([scratch] * (u * pad))
-        flat = [x for col in cols for x in col + [0] * (m - b)]
-        ints, table = torch.tensor(flat, dtype=torch.long), torch.tensor(tables, dtype=torch.long)
+        ints, table = torch.tensor(cols, dtype=torch.long), torch.tensor(tables, dtype=torch.long)
         if self.device.type == "cuda":  # pinned: the copies do not wait for the GPU's queue
             ints, table = ints.pin_memory(), table.pin_memory()
-        self.ints.copy_(ints, non_blocking=True)
+        self.ints[:, :b].copy_(ints, non_blocking=True)  # [6, b]
         self.tables[:b, :u].copy_(table.view(b, u), non_blocking=True)
 
     def _stage(self, b: int) -> torch.Tensor:

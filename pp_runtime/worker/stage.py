@@ -99,17 +99,13 @@ class StageWorker:
     def is_last(self) -> bool:
         return self.model.is_last
 
-    def input_ids(self, mb: MicroBatch) -> torch.Tensor:
-        ids = [t for s in mb.seqs for t in s.token_ids]
-        return torch.tensor(ids, dtype=torch.long, device=self.device)  # [num_tokens]
-
     @torch.inference_mode()
     def forward(self, mb: MicroBatch, x: torch.Tensor | None) -> tuple[torch.Tensor, BatchLayout]:
         """Hidden states [num_tokens, hidden] after this stage's layers."""
         layout = BatchLayout.build(mb, self.device, self.cfg.cache.block_size, self.cpu_decode,
-                                   self.paged)
+                                   self.paged, ids=self.model.is_first)
         if self.model.is_first:
-            x = self.input_ids(mb)
+            x = layout.token_ids  # [num_tokens], in the layout's one copy
         return self.model(x, self.cache, layout), layout
 
     @torch.inference_mode()

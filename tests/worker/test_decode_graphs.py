@@ -98,11 +98,22 @@ def _triton_interpreter():
     pytest.importorskip("triton")
 
 
+def test_splits_by_hand():
+    from pp_runtime.model.paged_kernel import splits
+
+    assert splits(2560, 1024, 128, 132) == (1, 1024)  # 64 decodes x 40 heads fill an H200
+    assert splits(160, 1024, 128, 132) == (4, 256)  # 4 x 40: 4 splits of 2 tiles
+    assert splits(160, 2048, 128, 132) == (4, 512)
+    assert splits(8, 65536, 128, 132) == (16, 4096)  # at most 16
+    assert splits(160, 200, 128, 132) == (1, 200)  # under two tiles: one pass
+
+
+@pytest.mark.parametrize("sms", [None, 64], ids=["one-pass", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, window, heads_major", [
     (4, 4, 64, None, False), (8, 2, 80, None, False), (8, 2, 64, 5, False), (4, 2, 32, None, True)],
     ids=["mha", "gqa-hd80", "window", "heads-major"])
-def test_paged_kernel_equals_the_gather_path(dtype, heads, kv_heads, head_dim, window, heads_major):
+def test_paged_kernel_equals_the_gather_path(dtype, heads, kv_heads, head_dim, window, heads_major, sms):
     _triton_interpreter()
     from pp_runtime.model.kv_cache import KVCache
     from pp_runtime.model.paged_kernel import paged_decode
@@ -116,7 +127,7 @@ def test_paged_kernel_equals_the_gather_path(dtype, heads, kv_heads, head_dim, w
     layout = BatchLayout.build(MicroBatch(0, tuple(seqs)), CPU, 4)
     q = torch.randn(4, heads, head_dim, generator=g).to(dtype)
     got = paged_decode(q, cache.k[0], cache.v[0], layout.decode_tables, layout.decode_seqlens,
-                       window, block_n=8)
+                       window, block_n=4, sms=sms)  # 64 "multiprocessors": 2 to 4 splits
     want = decode_attention_views(q.float(), cache.k[0].float(), cache.v[0].float(), layout, window)
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
     torch.testing.assert_close(got.float(), want, **tol)
