@@ -72,6 +72,11 @@ def test_torchrun_and_ray_give_the_same_tokens_and_reports(tmp_path, tp, pp):
     a, b = outputs(tmp_path / "torchrun"), outputs(tmp_path / "ray")
     assert len(a) == 5 and all(len(o["token_ids"]) == 6 for o in a)
     assert a == b  # token for token
+    if tp == 1:  # the token hop (on by default at tp = 1 on both) gives one process's tokens
+        # (PP = 3: tests/launch/test_torchrun_token_hop.py)
+        r = ray_run(tmp_path / "one", *WORKLOAD, "--set", "executor=local", "--set", "pp=1")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert a == outputs(tmp_path / "one")
     ra, rb = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("torchrun", "ray"))
     assert (ra["summary"]["executor"], rb["summary"]["executor"]) == ("torchrun", "ray")
     assert set(ra["summary"]) == set(rb["summary"])
