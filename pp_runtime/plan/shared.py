@@ -22,6 +22,7 @@ that calibration's compute (every term: a slower core slows all of it), saved as
 from __future__ import annotations
 
 import math
+import os
 import re
 import urllib.request
 from dataclasses import replace
@@ -34,7 +35,9 @@ from pp_runtime.plan import calibrated
 from pp_runtime.plan.calibrated import scaled
 
 SHARE = 0.55  # of one replica's bound, the rate each replica is served at (busy, not swamped)
-SPAN_S = 40.0  # seconds of arrivals per replica, at least
+# seconds of arrivals per replica, at least; PP_RUNTIME_SHARED_SPAN_S is a test hook, not
+# configuration (tests/plan/test_plan_validate.py: the suite's time)
+SPAN_S = float(os.environ.get("PP_RUNTIME_SHARED_SPAN_S") or 40.0)
 MAX_REQUESTS = 60  # per replica, at most: a tiny model's bound would ask for thousands
 BUSY = re.compile(r"^pp_runtime_stage_busy_seconds(?:_total)?(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 
