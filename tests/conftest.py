@@ -69,3 +69,21 @@ def hf_checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"ckpt-{request.param}")
     model.save_pretrained(path, max_shard_size="100KB")
     return request.param, model, path
+
+
+# ---- the order of files under `-n 2 --dist loadfile` ----------------------------------------
+# xdist hands each worker a whole file at a time, by default the files with the most tests
+# first: the one-test files that start Ray, servers or torchrun (test_plan_validate: two
+# minutes) came last, and one worker ran them alone while the other had nothing left. Files
+# with a slow (or slurm) test go first, in collection order, and the many quick files fill
+# both workers at the end.
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist's by-count order, off
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    heavy = {item.path for item in items
+             if item.get_closest_marker("slow") or item.get_closest_marker("slurm")}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: each file's order kept

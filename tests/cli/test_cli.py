@@ -14,6 +14,7 @@ def cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a Ray pipeline (pytest.ini)
 def test_run_without_arguments_is_a_two_stage_ray_pipeline(tmp_path):
     # the README's first command, shortened: no --config, so the default deployment
     # (cpu/gpt2_pp2: GPT-2-small shapes, 2 stages as Ray actors on 127.0.0.1, gloo)
@@ -39,6 +40,7 @@ def test_run_without_arguments_is_a_two_stage_ray_pipeline(tmp_path):
     assert r.stdout.rstrip().endswith(format_summary(read_report(tmp_path)).rstrip())
 
 
+@pytest.mark.slow  # a Ray pipeline (pytest.ini)
 def test_run_prints_one_line_per_microbatch_and_every_request(tmp_path):
     r = cli("run", "--config", "tiny", "--requests", "3", "--max-prompt", "70",
             "--max-tokens", "4", "--set", "pp=2", "--out", str(tmp_path))
