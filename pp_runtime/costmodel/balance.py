@@ -101,12 +101,24 @@ def balanced_units(unit_s: Sequence[float], extra_s: Sequence[float]) -> list[in
         return range(1, n - s + 1) if s else range(n, n + 1)
 
     inf = float("inf")
-    # pass 1: least slowest stage over stages 0..s holding n units
+    # pass 1: least slowest stage over stages 0..s holding n units (`cost`, max and min
+    # written out: the same floats; the plan resolves dozens of splits before it searches)
     worst = [[inf] * (total + 1) for _ in range(pp)]
     for s in range(pp):
+        row, extra = worst[s], extra_s[s]
+        if not s:
+            for n in range(1, total - pp + 2):
+                row[n] = prefix[n] - prefix[0] + extra
+            continue
+        before = worst[s - 1]
         for n in range(s + 1, total - (pp - 1 - s) + 1):
-            worst[s][n] = min(max(worst[s - 1][n - k] if s else -inf, cost(s, n, k))
-                              for k in choices(s, n))
+            top, best = prefix[n], inf
+            for k in range(1, n - s + 1):
+                w, c = before[n - k], top - prefix[n - k] + extra
+                m = c if c > w else w
+                if m < best:
+                    best = m
+            row[n] = best
     cap = worst[pp - 1][total] * (1 + _REL) + 1e-15
     # pass 2: least sum of squared stage times with every stage within the cap
     squares = [[inf] * (total + 1) for _ in range(pp)]

@@ -107,6 +107,7 @@ class StageCostModel:
         self._prefill = pricing.attention.prefill  # (start, n) -> s per layer
         self._decode = pricing.attention.decode  # (count, sum_kv) -> s per layer
         self._size = 0
+        self._kept: tuple | None = None  # (prefills, decode KV lengths, stage times): `keep_stage_times`
         longest = max(cfg.seq_len, cfg.chunk_tokens, cfg.planner.token_budget or 0)
         self._grow(longest + cfg.batch_rows + 1)
 
@@ -147,6 +148,9 @@ class StageCostModel:
     def stage_times(self, prefills: Sequence[tuple[int, int]],
                     decode_kv_lens: Sequence[int]) -> list[float]:
         """Seconds of compute on each stage: its layers, plus `parts`' extras at the ends."""
+        kept = self._kept
+        if kept is not None and kept[1] == decode_kv_lens and kept[0] == prefills:
+            return kept[2][:]  # the micro-batch `keep_stage_times` priced last
         per_layer, emb, head = self.parts(prefills, decode_kv_lens)
         if self.halves is None:
             times = [k * per_layer for k in self.layers]
@@ -155,6 +159,65 @@ class StageCostModel:
             times = [a * attn + m * (per_layer - attn) for a, m in self.halves]
         times[0] += emb
         times[-1] += head
+        return times
+
+    def keep_stage_times(self, prefills: list[tuple[int, int]],
+                         decode_kv_lens: list[int]) -> list[float]:
+        """`stage_times`, kept for the next call asking for the same micro-batch (the
+        simulated executor prices the one the planner just priced): the caller's lists are
+        kept as they are, so it must not change them afterwards."""
+        times = self.stage_times(prefills, decode_kv_lens)
+        self._kept = (prefills, decode_kv_lens, times[:])
+        return times
+
+    def with_chunk(self, prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence[int]):
+        """`stage_times(prefills + [(start, n)], decode_kv_lens)` for many (start, n), what
+        does not depend on them priced once (a binary search over n asks ~10 times per
+        micro-batch): a function (start, n) -> (stage 0's time, a middle stage's time
+        (None where the middle stages' layers differ), the last stage's time), or None
+        where a layer is cut in two (`halves`: use `stage_times`). The same floats in the
+        same order as `parts` and `stage_times`, so the same seconds to the bit."""
+        if not self._chunkable:
+            return None
+        return self._with_chunk(prefills, len(decode_kv_lens), sum(decode_kv_lens))
+
+    def with_chunk_decodes(self, prefills: Sequence[tuple[int, int]], count: int, kv_len: int):
+        """`with_chunk(prefills, [kv_len] * count)` without building the list (the same
+        floats: the sum of the KV lengths is an int)."""
+        if not self._chunkable:
+            return None
+        return self._with_chunk(prefills, count, kv_len * count)
+
+    @property
+    def _chunkable(self) -> bool:
+        """No layer cut in two, and the middle stages (between the first and the last)
+        all of the same layers."""
+        return self.halves is None and len(set(self.layers[1:-1])) <= 1
+
+    def _with_chunk(self, prefills: Sequence[tuple[int, int]], nd: int, sum_kv: int):
+        layers = self.layers
+        k0, kl, km = layers[0], layers[-1], (layers[1] if len(layers) > 2 else None)
+        fixed = nd
+        attn0 = self._decode(nd, sum_kv) if nd else 0.0
+        for start, n in prefills:
+            fixed += n
+            attn0 += self._prefill(start, n)
+        rows, fit, prefill, one = nd + len(prefills) + 1, self.fit, self._prefill, len(self.layers) == 1
+        scale, per_layer_s, per_row = fit.scale, fit.per_layer_s, fit.per_row_s * (nd + len(prefills) + 1)
+
+        def times(start: int, n: int) -> tuple[float, float | None, float]:
+            tokens = fixed + n
+            attn = attn0 + prefill(start, n)
+            if tokens >= self._size:
+                self._grow(2 * tokens)
+            per_layer = scale * (self._layer[tokens] + attn) + per_layer_s
+            emb = scale * self._emb[tokens]
+            head = scale * self._head[rows] + per_row
+            if one:
+                t = k0 * per_layer + emb + head
+                return t, None, t
+            return k0 * per_layer + emb, None if km is None else km * per_layer, kl * per_layer + head
+
         return times
 
     def attention_half(self, prefills: Sequence[tuple[int, int]],

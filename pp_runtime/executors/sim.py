@@ -93,6 +93,7 @@ class SimExecutor:
         if sends is None:  # the same sizes come again and again: priced once each
             sends = self._sends[num_tokens] = [0.0] + [
                 self.cost.send_time(num_tokens, s) for s in range(1, len(costs))]
+        mb_id, add = mb.mb_id, timings.append
         for stage, compute in enumerate(costs):
             ready = free[stage] + call[stage]  # -inf before its first call
             take = ready if ready > now else now
@@ -100,18 +101,20 @@ class SimExecutor:
                 wait = transfer = 0.0
                 start = take
             else:
-                wait = posted - take if posted > take else 0.0
                 transfer = sends[stage]
-                start = (posted if posted > take else take) + transfer
+                if posted > take:
+                    wait, start = posted - take, posted + transfer
+                else:
+                    wait, start = 0.0, take + transfer
             end = start + compute
             nxt = received[stage + 1] if stage < last else 0.0
             block = nxt - end if nxt > end else 0.0
             posted = free[stage] = end + block
             done = posted if posted > done else done
             received[stage] = start
-            timings.append(StageTiming(mb.mb_id, stage, 0, wait, transfer, start, end, block))
-        self._done[mb.mb_id] = (done + self.ret, SampledTokens(mb.mb_id, sampled, tuple(timings)))
-        return mb.mb_id
+            add(StageTiming(mb_id, stage, 0, wait, transfer, start, end, block))
+        self._done[mb_id] = (done + self.ret, SampledTokens(mb_id, sampled, tuple(timings)))
+        return mb_id
 
     def wait(self, handle: int) -> SampledTokens:
         end, out = self._done.pop(handle)

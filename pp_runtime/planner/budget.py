@@ -113,6 +113,21 @@ class TimeBudget:
         return lo
 
 
+def largest_at_most(f, limit: float, hi: int) -> int:
+    """`TimeBudget.largest(lambda n: f(n) <= limit, hi)`: the same calls of f in the same
+    order, without a lambda between each (the plan's probes run ~10^6 of these searches)."""
+    if hi <= 0 or f(hi) <= limit:
+        return max(hi, 0)
+    lo, hi = 0, hi - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if f(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class PipelineClock:
     """Predicted stage times of the micro-batches in flight, replayed as the pipeline runs
     them: each stage takes micro-batches in order, after the previous stage sent them."""
@@ -120,6 +135,7 @@ class PipelineClock:
     def __init__(self, cost: CostModel, pp: int):
         self.cost, self.pp = cost, pp
         self.stage_times = getattr(cost, "stage_times", None)
+        self.keep = getattr(cost, "keep_stage_times", None)
         self.send = getattr(cost, "send_time", None)
         self.free = [0.0] * pp  # when each stage ends its last micro-batch (predicted)
         self.done: dict[int, float] = {}  # mb_id in flight -> predicted completion
@@ -129,7 +145,17 @@ class PipelineClock:
               scale: float) -> list[float]:
         if self.stage_times is None:
             return [scale * self.cost.microbatch_time(prefills, kv)] * self.pp
+        if scale == 1.0:  # 1.0 * t is t
+            return self.stage_times(prefills, kv)
         return [scale * t for t in self.stage_times(prefills, kv)]
+
+    def committed_times(self, prefills: list[tuple[int, int]], kv: list[int]) -> list[float]:
+        """`times(prefills, kv, 1.0)` of a micro-batch about to be submitted, kept by the cost
+        model where it can (`keep_stage_times`: the simulated executor prices it next); the
+        lists must not change afterwards."""
+        if self.keep is None:
+            return self.times(prefills, kv, 1.0)
+        return self.keep(prefills, kv)
 
     def completion(self, now: float, times: list[float], tokens: int) -> list[float]:
         """Each stage's predicted end for a micro-batch submitted now (committing nothing)."""
@@ -164,6 +190,40 @@ class PipelineClock:
             prev = start + scale * t
         return prev
 
+    def ends_with_chunk(self, now: float, prefills: Sequence[tuple[int, int]],
+                        kv: Sequence[int], scale: float, start: int, tokens: int):
+        """n -> `end(now, [*prefills, (start, n)], kv, scale, tokens + n)`, for a binary
+        search over n: what does not depend on n priced once (`with_chunk` of the cost
+        model), the same arithmetic in the same order, so the same float to the bit."""
+        with_chunk = getattr(self.cost, "with_chunk", None)
+        priced = with_chunk(prefills, kv) if with_chunk is not None and self.stage_times else None
+        if priced is None:
+            return lambda n: self.end(now, [*prefills, (start, n)], kv, scale, tokens + n)
+        pp, all_sends, end = self.pp, self.sends, self.end
+        free = self.free
+        last = pp - 1
+
+        def ends(n: int) -> float:
+            sends = all_sends.get(tokens + n)
+            if sends is None:  # priced and kept by `completion`, as `end` does
+                return end(now, [*prefills, (start, n)], kv, scale, tokens + n)
+            first, mid, tail = priced(start, n)
+            ready = now + sends[0]
+            prev = (ready if ready > free[0] else free[0]) + scale * first
+            if pp == 1:
+                return prev
+            if last > 1:  # the middle stages, all of the same layers (`with_chunk`)
+                step = scale * mid
+                for s in range(1, last):
+                    ready = prev + sends[s]
+                    f = free[s]
+                    prev = (ready if ready > f else f) + step
+            ready = prev + sends[last]
+            f = free[last]
+            return (ready if ready > f else f) + scale * tail
+
+        return ends
+
     def commit(self, mb_id: int, ends: list[float]) -> None:
         self.free = ends
         self.done[mb_id] = ends[-1]
@@ -175,6 +235,6 @@ class PipelineClock:
         if predicted is None:
             return
         shift = now - predicted
-        self.free = [max(now, f + shift) for f in self.free]
+        self.free = [t if t > now else now for t in [f + shift for f in self.free]]  # max(now, t)
         for k in self.done:
             self.done[k] += shift

@@ -43,12 +43,13 @@ docs/planner.md has the measurements (benchmarks/goodput.py).
 from __future__ import annotations
 
 import math
+from itertools import repeat
 
 from pp_runtime.config import Config
 from pp_runtime.core.batch import MicroBatch, SampledTokens, SeqChunk
 from pp_runtime.core.request import Request
 from pp_runtime.planner.base import UNBOUNDED_ROWS, BasePlanner
-from pp_runtime.planner.budget import MARGIN, PipelineClock, TimeBudget
+from pp_runtime.planner.budget import MARGIN, PipelineClock, TimeBudget, largest_at_most
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.order import SlackOrder
 
@@ -143,14 +144,18 @@ class UniformPlanner(BasePlanner):
             return
         owed, life, prompts, outputs = 0, 0.0, waiting[0].prompt_len, 0.0
         share, seq_len, bs = self.out_share, self.seq_len, kv.block_size
-        for r in running:  # expected_len(r), written out: this runs for every micro-batch
-            p = r.prompt_len
-            cap = min(r.params.max_tokens, seq_len - p)
-            made = len(r.output_token_ids)
-            end = p + (made if made >= share * cap else share * cap)
-            owed += max(0, -(-int(end) // bs) - len(r.blocks)) * RESERVE
+        for r in running:  # expected_len(r), written out (min and max too): this runs for
+            p = r.prompt_len  # every micro-batch while an arrived request waits
+            cap, room = r.params.max_tokens, seq_len - p
+            if room < cap:
+                cap = room
+            made, expect = len(r.output_token_ids), share * cap
+            end = p + (made if made >= expect else expect)
+            grow = -(-int(end) // bs) - len(r.blocks)
+            owed += (grow if grow > 0 else 0) * RESERVE
             life += (p + end) / 2
-            prompts, outputs = prompts + p, outputs + end - p
+            prompts += p
+            outputs = outputs + end - p  # (outputs + end) - p, as it was
         outputs += self.expected_len(waiting[0]) - waiting[0].prompt_len
         free = kv.pool.num_free - int(owed)
         kv_len = life / len(running) if running else waiting[0].prompt_len + 1
@@ -187,6 +192,11 @@ class UniformPlanner(BasePlanner):
         b, period = self.budget, self.budget.period_s
         share = lambda d: min(self.top, math.ceil(d * mix))  # noqa: E731
         fits = lambda d: b.time([(0, share(d))], [kv] * d) <= period  # noqa: E731
+        same = getattr(b.cost, "with_chunk_decodes", None)
+        if same is not None and same((), 1, kv) is not None:  # the same seconds, no lists
+            def fits(d: int) -> bool:
+                first, mid, last = same((), d, kv)(0, share(d))  # b.time's stages
+                return (max(first, last) if mid is None else max(first, mid, last)) <= period
         return max(1, b.largest(fits, 4096)) * self.depth
 
     def prefill_need(self, now: float) -> int:
@@ -209,19 +219,21 @@ class UniformPlanner(BasePlanner):
 
     # ---- composing ---------------------------------------------------------------------
     def compose(self, now: float) -> list[SeqChunk]:
-        decoding, ready, left = 0, [], 0
+        decoding, ready, left, prefilling, pipelining = 0, [], 0, [], self.pipelining
         for r in self.running:  # one pass: this runs for every micro-batch
-            if r.num_scheduled >= r.prefill_len:
+            scheduled = r.num_scheduled
+            if scheduled >= r.prefill_len:
                 decoding += 1
-                if r.num_scheduled == r.num_computed:
+                if scheduled == r.num_computed:
                     ready.append(r)
             else:
-                left += r.prefill_len - r.num_scheduled
-        prefilling = self.prefilling()
+                left += r.prefill_len - scheduled
+                if pipelining or scheduled == r.num_computed:  # `prefilling()`, in this pass
+                    prefilling.append(r)
         share = -(-decoding // self.pp)  # an even share of the decodes over the round
         limit = min(share, self.max_batch - 1 if prefilling else self.max_batch)
         seqs = [self.decode(r) for r in ready[:limit]]
-        kv = [s.kv_len for s in seqs]
+        kv = [s.start + 1 for s in seqs]  # a decode's kv_len
         bound = self.round_bound(now, [r.request_id for r in ready])
         if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
             even = max(self.min_chunk, -(-left // self.depth))
@@ -240,7 +252,7 @@ class UniformPlanner(BasePlanner):
         if b.tbt_slo_s is None:
             return INF
         last, done = self.last_token_s, self.clock.done
-        first = min((last.get(rid, now) for rid in decodes), default=INF)
+        first = min(map(last.get, decodes, repeat(now)), default=INF)  # last.get(rid, now)
         for mb_id in self.carrying:  # tokens on their way: due again after return
             t = done.get(mb_id, now)
             first = t if t < first else first
@@ -281,8 +293,14 @@ class UniformPlanner(BasePlanner):
         if r == 0 or r >= chunks[-1][1] or tokens <= self.tile:
             return 0
         b, (start, n) = self.budget, chunks[-1]
-        full = b.time(chunks, kv)
-        trimmed = b.time([*chunks[:-1], (start, n - r)], kv)
+        with_chunk = getattr(b.cost, "with_chunk", None)
+        priced = with_chunk(chunks[:-1], kv) if with_chunk is not None else None
+        if priced is None:
+            full = b.time(chunks, kv)
+            trimmed = b.time([*chunks[:-1], (start, n - r)], kv)
+        else:  # b.time's max over the stages, the rest priced once
+            full, trimmed = (max(a, c) if m is None else max(a, m, c)
+                             for a, m, c in (priced(start, n), priced(start, n - r)))
         return r if (full - trimmed) / r > full / tokens else 0
 
     def alone_chunk(self) -> int:
@@ -302,9 +320,9 @@ class UniformPlanner(BasePlanner):
             return max(hi, 0)
         clock, scale = self.clock, self.budget.residual
         base = clock.end(now, chunks, kv, scale, tokens)
-        fits = lambda share: b.largest(  # noqa: E731
-            lambda n: clock.end(now, [*chunks, (start, n)], kv, scale, tokens + n)
-            <= base + max(0.0, bound - base) * share, hi)
+        ends = clock.ends_with_chunk(now, chunks, kv, scale, start, tokens)
+        fits = lambda share: largest_at_most(  # noqa: E731  (b.largest, without a lambda)
+            ends, base + max(0.0, bound - base) * share, hi)
         n, need = fits(SLACK_SHARE), self.urgent - sum(c for _, c in chunks)
         if n < min(hi, need):  # a share of the round's slack; the queue's TTFT needs more:
             n = min(fits(1.0), need)  # up to all of it
@@ -313,17 +331,25 @@ class UniformPlanner(BasePlanner):
     # ---- feedback ----------------------------------------------------------------------
     def schedule(self, now: float = 0.0) -> MicroBatch | None:
         mb = super().schedule(now)
-        if mb is not None:
-            prefills = [(s.start, s.num_tokens) for s in mb.seqs if not s.is_decode]
-            kv = [s.kv_len for s in mb.seqs if s.is_decode]
-            times = self.clock.times(prefills, kv, 1.0)
+        if mb is not None:  # SeqChunk's num_tokens and kv_len written out (the hot path)
+            prefills, kv, tokens = [], [], 0
+            for s in mb.seqs:
+                n = len(s.token_ids)
+                tokens += n
+                if s.is_decode:
+                    kv.append(s.start + n)
+                else:
+                    prefills.append((s.start, n))
+            times = self.clock.committed_times(prefills, kv)
             self.predicted[mb.mb_id] = max(times)
-            scaled = [t * self.budget.residual for t in times]
-            self.clock.commit(mb.mb_id, self.clock.completion(now, scaled, mb.num_tokens))
+            residual = self.budget.residual
+            scaled = [t * residual for t in times]
+            self.clock.commit(mb.mb_id, self.clock.completion(now, scaled, tokens))
             if self.budget.tbt_slo_s is not None:
+                bring, mb_id = self.bring, mb.mb_id
                 for s in mb.seqs:
                     if s.sampling is not None:
-                        self.bring(s.request_id, mb.mb_id)
+                        bring(s.request_id, mb_id)
         return mb
 
     def bring(self, rid: int, mb_id: int) -> None:
@@ -345,12 +371,19 @@ class UniformPlanner(BasePlanner):
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         predicted = self.predicted.pop(mb.mb_id, 0.0)
         self.clock.returned(mb.mb_id, now)
-        if out.timings:  # the stage that took longest
-            self.budget.observe(predicted, max(t.compute_s for t in out.timings))
-        last, drop = self.last_token_s, self.brought
+        if out.timings:  # the stage that took longest (StageTiming.compute_s, written out)
+            self.budget.observe(predicted, max([t.compute_end_s - t.compute_start_s
+                                                for t in out.timings]))
+        last, returning, carrying = self.last_token_s, self.returning, self.carrying
         for rid in out.tokens:
             last[rid] = now
-            drop(rid)
+            mb_id = returning.pop(rid, None)  # self.brought(rid), written out
+            if mb_id is not None:
+                left = carrying[mb_id] - 1
+                if left:
+                    carrying[mb_id] = left
+                else:
+                    del carrying[mb_id]
         finished = super().on_result(mb, out, now)
         for r in finished:
             last.pop(r.request_id, None)
