@@ -57,20 +57,43 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
+    # 8 logical CPUs: the module's PP = 2 pipeline (2) beside a TP2 x PP2 one (4)
+    ray.init(address="local", num_cpus=8, include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=False)
     yield
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ray_pp2(gpt, local_ray):
+    """One PP = 2 pipeline on Ray's task path, the token hop on by default (auto), for the
+    tests below that run that deployment (one pipeline started instead of two)."""
+    _, path, _, _ = gpt
+    with LLM.from_pretrained(path, **PLAN, pp=2, executor="ray", compiled_graph=False) as llm:
+        yield llm
+
+
+def generate_on(llm, prompts, params):
+    """`generate`'s answer, on a running LLM."""
+    mbs = []
+    outs = llm.generate(prompts, params, on_microbatch=lambda mb, _: mbs.append(mb))
+    pool = llm.engine._planner.kv.pool
+    return outs, sorted(mbs, key=lambda mb: mb.mb_id), llm.executor.token_hop, \
+        pool.num_free == pool.num_blocks
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pp", [2, 3])
-def test_ray_token_hop_equals_transformers(gpt, local_ray, pp):
+def test_ray_token_hop_equals_transformers(gpt, local_ray, pp, request):
     """On by default on Ray's task path (token_hop: auto); the placeholders' ids came from
     the last stage, never from the driver."""
     _, path, prompts, reference = gpt
-    outs, mbs, hop, free = generate(path, prompts, SamplingParams(max_tokens=NEW, ignore_eos=True),
-                                    pp=pp, executor="ray", compiled_graph=False)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    if pp == 2:
+        outs, mbs, hop, free = generate_on(request.getfixturevalue("ray_pp2"), prompts, params)
+    else:
+        outs, mbs, hop, free = generate(path, prompts, params, pp=pp, executor="ray",
+                                        compiled_graph=False)
     assert hop and sum(len(mb.placeholders) for mb in mbs) > len(prompts)
     assert [o.token_ids for o in outs] == reference
     assert free
@@ -91,13 +114,12 @@ def test_ray_token_hop_at_tp2_equals_transformers(gpt, local_ray, relay):
 
 
 @pytest.mark.slow
-def test_ray_token_hop_seeded_sampling_equals_the_path_without_it(gpt, local_ray):
+def test_ray_token_hop_seeded_sampling_equals_the_path_without_it(gpt, ray_pp2):
     _, path, prompts, _ = gpt
     params = SamplingParams(max_tokens=NEW, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
     off, _, hop_off, _ = generate(path, prompts, params, pp=2, executor="ray",
                                   compiled_graph=False, token_hop=False)
-    on, mbs, hop_on, _ = generate(path, prompts, params, pp=2, executor="ray",
-                                  compiled_graph=False, token_hop=True)
+    on, mbs, hop_on, _ = generate_on(ray_pp2, prompts, params)  # token_hop auto: on
     assert not hop_off and hop_on and any(mb.placeholders for mb in mbs)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
 
