@@ -34,7 +34,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 def test_greedy_generation_equals_transformers(hf_checkpoint, overrides):
     family, model, path = hf_checkpoint
     prompts = make_prompts(model.config.vocab_size)
-    llm = LLM.from_pretrained(path, **overrides)
+    llm = LLM.from_pretrained(path, dtype="float32", **overrides)  # fp32 on a GPU too (auto: bf16)
     assert llm.config.model.family == family
     batches = []
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
@@ -75,7 +75,7 @@ def test_greedy_tokens_survive_preemption(hf_checkpoint, planner):
     still transformers' greedy one."""
     family, model, path = hf_checkpoint
     prompts = make_prompts(model.config.vocab_size)
-    llm = LLM.from_pretrained(path, planner=planner, chunk_size=8, max_batch_size=3,
+    llm = LLM.from_pretrained(path, dtype="float32", planner=planner, chunk_size=8, max_batch_size=3,
                               max_seq_len=64, block_size=4, num_blocks=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
@@ -97,7 +97,7 @@ def test_prefix_cache_hits_give_the_tokens_of_misses(hf_checkpoint):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = [hf_greedy(model, p, 6) for p in prompts]
     for blocks, hits in ((64, True), (16, False)):
-        llm = LLM.from_pretrained(path, chunk_size=8, max_seq_len=64, block_size=4,
+        llm = LLM.from_pretrained(path, dtype="float32", chunk_size=8, max_seq_len=64, block_size=4,
                                   num_blocks=blocks, prefix_caching=True)
         outs = [llm.generate([p], params)[0] for p in prompts]
         assert [o.token_ids for o in outs] == want
