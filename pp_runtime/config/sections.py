@@ -233,7 +233,8 @@ class RuntimeConfig:
     #                         to stage 0 and the driver plans decodes ahead with placeholders
     #                         (docs/distributed.md, "Tokens skip the driver"); "auto": on for
     #                         ray's task-per-actor path (tp = 1) and torchrun, off elsewhere
-    #                         (the local executor, the compiled graph, the TP relay, tp > 1, sim)
+    #                         (the local executor, the compiled graph, the TP relay, tp > 1);
+    #                         the simulator as the calibrated executor it stands for
     # CPU fast paths (docs/performance.md); neither changes anything on CUDA
     prepack: bool = True  # linear layers on prepacked oneDNN weights (CPU, float32/bfloat16,
     #                       tp = 1 layers; results differ from plain torch by fp32 rounding)

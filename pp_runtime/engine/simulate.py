@@ -65,6 +65,20 @@ def sim_depth(cfg: Config, cost: StageCost) -> Config:
     return cfg.with_overrides(in_flight=cfg.parallel.pp)
 
 
+def sim_token_hop(cfg: Config, cost: StageCost) -> bool:
+    """Whether the simulated pipeline runs the token hop: where the cost model carries a
+    calibration of a real executor (its host costs) on which `runtime.token_hop` resolves
+    on (`executors.token_hop_on`; auto: Ray's task path and torchrun, tp = 1). Without one
+    the simulator prices no driver round trip to skip (no host costs): the hop is off."""
+    from pp_runtime.executors import token_hop_on
+
+    cal = getattr(cost, "calibration", None)
+    if cal is None or getattr(cost, "host", None) is None:
+        return False
+    path = "torchrun" if cal.executor == "torchrun" else (cal.path or "ray")
+    return token_hop_on(cfg, path)
+
+
 def _watched(bar: tqdm, watch: Callable, rec: RunRecorder, requests: list[Request],
              clock: VirtualClock) -> Callable[[int], None]:
     """The recorder's per-micro-batch callback with `watch` after the progress bar."""
@@ -92,6 +106,7 @@ def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True,
         from pp_runtime.costmodel import build_cost_model
         cost = build_cost_model(cfg)
     cfg = sim_depth(cfg, cost)
+    hop = sim_token_hop(cfg, cost)
     specs = generate(cfg.workload)
     check_fits(cfg, specs)
     # prompts of token 0 in O(1) memory each: only their lengths matter to the simulator
@@ -105,14 +120,15 @@ def simulate(cfg: Config, cost: StageCost | None = None, progress: bool = True,
         for r, ids in enumerate(route(specs, cfg.parallel.dp)):
             clock = VirtualClock()
             planner = make_planner(cfg, cost)
+            ahead = planner.plan_ahead(hop)  # as the engine does with the hop (online.py)
             for i in ids:
                 planner.add(requests[i])
             rec = recorder(clock, replica=r, on_tokens=bar.update)
             if watch is not None:
                 rec.on_tokens = _watched(bar, watch, rec, requests, clock)
             replicas.append(rec)
-            driver.run(planner, SimExecutor(cost, pp, clock), cfg.in_flight, clock, rec,
-                       sleep=clock.sleep)
+            driver.run(planner, SimExecutor(cost, pp, clock, token_hop=ahead),
+                       cfg.in_flight + (1 if ahead else 0), clock, rec, sleep=clock.sleep)
     except KeyboardInterrupt as exc:
         from pp_runtime.core.interrupt import reason, signal_name
         for req in requests:  # of the replicas not run yet (the driver ended the current one's)

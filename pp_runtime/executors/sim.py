@@ -28,6 +28,16 @@ none: all zero) are charged where the real pipeline pays them:
   the driver's result   = max_s(free_s) + return         at `wait` (every stage answers)
 
 so a stage holding no micro-batch in between shows as `dependency`, as on the real one.
+
+With the token hop (`token_hop`: the engine plans decodes ahead, `planner/base.py`), a
+micro-batch's placeholder decodes wait on stage 0 for their tokens, which leave the last
+stage at the end of the micro-batch that sampled them and cross one hop:
+
+  start_0 = max(take_0, max over its placeholders' sources k of end_last(k) + hop)
+
+where `hop` is the cost model's price of a one-token message between two stages
+(`send_time(1, 1)`). The wait falls before the call's start, a `dependency` gap, as the
+real stage waits for a token outside its spans (worker/stage.py).
 """
 from __future__ import annotations
 
@@ -63,8 +73,10 @@ class SimExecutor:
     path = ""  # one way to reach the stages (driver.Executor)
     device = "sim"  # nothing real: the cost model's stages on a virtual clock
 
-    def __init__(self, cost: StageCost, pp: int, clock: VirtualClock):
-        self.cost, self.clock = cost, clock
+    def __init__(self, cost: StageCost, pp: int, clock: VirtualClock, token_hop: bool = False):
+        self.cost, self.clock, self.token_hop = cost, clock, token_hop and pp > 1
+        self.hop = cost.send_time(1, 1) if self.token_hop else 0.0
+        self._tokens_at: dict[int, float] = {}  # mb id -> when its sampled ids reach stage 0
         host = getattr(cost, "host", None)
         self.call = [host.between_calls(s) if host else 0.0 for s in range(pp)]
         self.plan, self.submit_s, self.dispatch, self.ret = (
@@ -100,6 +112,8 @@ class SimExecutor:
             if stage == 0:
                 wait = transfer = 0.0
                 start = take
+                for _, src in mb.placeholders:  # the token hop: each placeholder's token
+                    start = max(start, self._tokens_at[src])
             else:
                 transfer = sends[stage]
                 if posted > take:
@@ -114,6 +128,9 @@ class SimExecutor:
             received[stage] = start
             add(StageTiming(mb_id, stage, 0, wait, transfer, start, end, block))
         self._done[mb_id] = (done + self.ret, SampledTokens(mb_id, sampled, tuple(timings)))
+        if self.token_hop:
+            self._tokens_at[mb_id] = end + self.hop  # end: the last stage's
+            self._tokens_at.pop(mb_id - 8 * len(costs), None)  # long past any placeholder's reach
         return mb_id
 
     def wait(self, handle: int) -> SampledTokens:

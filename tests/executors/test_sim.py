@@ -254,3 +254,55 @@ def test_host_costs_show_as_dependency_in_a_hand_computed_schedule():
     outs = [plain.wait(h) for h in [plain.submit(mb(i, 1, rid=i)) for i in range(2)]]
     rep = account([t for o in outs for t in o.timings], {0: [0], 1: [1]})
     assert [s.bubble_by_cause_s["dependency"] for s in rep.per_stage] == [0.0, 0.0]
+
+
+def test_token_hop_placeholders_wait_for_their_token_on_stage_0():
+    """Two stages costing 2 each, sends 0.5 (the hop prices one token as a send, 0.5).
+    mb0 (request 0) runs 0-2 on stage 0 and 2.5-4.5 on stage 1; its token reaches stage 0
+    at 4.5 + 0.5 = 5. mb1 (request 1) runs 2-4, then 5-7 on stage 1 (taken at 4.5, the 0.5
+    send after). mb2 carries request 0's decode planned ahead (a placeholder of mb0):
+    stage 0 is free at 4 but starts it at 5, the 1 s between a dependency gap; stage 1
+    takes it at 7: 7.5-9.5."""
+    cost = ConstantCost(2, base=2.0, send=0.5)
+    ex = SimExecutor(cost, 2, VirtualClock(), token_hop=True)
+    assert ex.hop == 0.5
+    h = [ex.submit(mb(0, 1, rid=0)), ex.submit(mb(1, 1, rid=1))]
+    decode = MicroBatch(2, (SeqChunk(0, 0, 1, (-1,), Sampling(0.0, 1.0, 0), is_decode=True),),
+                        placeholders=((0, 0),))
+    h.append(ex.submit(decode))
+    outs = [ex.wait(x) for x in h]
+    got = [(t.mb_id, t.stage, t.compute_start_s, t.compute_end_s) for o in outs for t in o.timings]
+    assert got == [(0, 0, 0, 2), (0, 1, 2.5, 4.5), (1, 0, 2, 4), (1, 1, 5, 7),
+                   (2, 0, 5, 7), (2, 1, 7.5, 9.5)]
+    rep = account([t for o in outs for t in o.timings], {0: [0], 1: [1], 2: [0]})
+    assert rep.per_stage[0].bubble_by_cause_s["dependency"] == 1.0
+    # the same micro-batch without the hop's wait (its token given): stage 0 takes it at 4
+    plain = SimExecutor(cost, 2, VirtualClock())
+    outs = [plain.wait(x) for x in [plain.submit(mb(0, 1, rid=0)), plain.submit(mb(1, 1, rid=1)),
+                                    plain.submit(mb(2, 1, rid=0))]]
+    assert outs[2].timings[0].compute_start_s == 4
+
+
+def test_a_calibrated_simulation_plans_ahead_with_the_hop(tmp_path):
+    """simulate() runs the hop where the cost carries a calibration of a real executor on
+    which runtime.token_hop resolves on (auto: ray tasks, tp = 1), and not without one or
+    with token_hop false; planning ahead, the tokens are the same ones."""
+    from pp_runtime.costmodel.calibration import Calibration, HostCost
+    from pp_runtime.engine.simulate import sim_token_hop
+
+    cfg = config_from_dict({"model": {"preset": "gpt2-small"}, "parallel": {"pp": 2},
+                            "hardware": {"gpu": "a100-80gb"},
+                            "workload": {"num_requests": 20, "prompt_len": 64, "output_len": 16}})
+    from pp_runtime.costmodel import build_cost_model
+
+    cost = build_cost_model(cfg)
+    assert not sim_token_hop(cfg, cost)  # no calibration: nothing to skip
+    cost.calibration = Calibration("ray", 2, host=HostCost(0.001, 0.001, 0.001, (0.0005,) * 2, 0.002))
+    cost.host = cost.calibration.host
+    assert sim_token_hop(cfg, cost)
+    assert not sim_token_hop(cfg.with_overrides(token_hop=False), cost)
+    hop = simulate(cfg, cost, progress=False)
+    off = simulate(cfg.with_overrides(token_hop=False), cost, progress=False)
+    assert [len(o.token_ids) for o in hop.requests] == [len(o.token_ids) for o in off.requests]
+    done = [max(o.finish_s for o in r.requests) for r in (hop, off)]
+    assert done[0] < done[1]  # decodes no longer wait for the driver's return
