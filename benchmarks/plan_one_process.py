@@ -7,6 +7,7 @@ aside) compare exactly.
 
     python benchmarks/plan_one_process.py --model gpt3-175b --gpus 64 --gpu a100-80gb \\
         --ttft-slo 5 --tbt-slo 0.2 --no-cache --quiet --out /tmp/plan1
+    python benchmarks/plan_one_process.py --compare /tmp/plan0/plan.json /tmp/plan1/plan.json
 """
 from __future__ import annotations
 
@@ -34,7 +35,24 @@ class InProcess:
         pass
 
 
+def same_plan(a: str, b: str) -> bool:
+    """Two plan.json the same: winner, frontier, and every candidate's outcome, capacity,
+    bound, deciding probe and probes (each candidate's `seconds` left out)."""
+    import json
+
+    def answer(path: str) -> dict:
+        plan = json.loads(open(path).read())
+        results = [{k: v for k, v in r.items() if k != "seconds"} for r in plan["results"]]
+        return {"best": plan["best"], "frontier": plan["frontier"], "results": results}
+
+    return answer(a) == answer(b)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--compare"]:
+        same = same_plan(sys.argv[2], sys.argv[3])
+        print(f"identical results/probes/frontier: {same}")
+        sys.exit(0 if same else 1)
     runner.ProcessPoolExecutor = InProcess
     from pp_runtime.cli.main import main
 
