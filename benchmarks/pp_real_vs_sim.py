@@ -134,6 +134,14 @@ def main() -> None:
         cal = calibrate(cfg, profile, requests=args.calibrate)
         print(f"calibration ({args.calibrate} requests, split "
               f"{'|'.join(map(str, cal.layer_split))}): {describe(cal)}")
+        # auto chose the calibration's split from the uncalibrated profile; where the
+        # calibrated one picks another, calibrate again at it: the runs price that split
+        chosen = resolve_layer_split(cfg.with_overrides(**{"hardware.profile": str(profile)}))
+        split = chosen.layers_per_stage()
+        if list(split) != list(cal.layer_split):
+            cal = calibrate(cfg.with_overrides(layer_split=list(split)), profile, requests=args.calibrate)
+            print(f"calibrated again at the split the calibrated profile chose "
+                  f"({'|'.join(map(str, cal.layer_split))}): {describe(cal)}")
     results = {}
     planners = [f"{p} {s}" for p in args.planners.split(",") for s in args.splits.split(",")]
     for name in planners:  # the profile prices the simulator and layer_split: auto
