@@ -191,12 +191,14 @@ class UniformPlanner(BasePlanner):
             return INF
         b, period = self.budget, self.budget.period_s
         share = lambda d: min(self.top, math.ceil(d * mix))  # noqa: E731
-        fits = lambda d: b.time([(0, share(d))], [kv] * d) <= period  # noqa: E731
         same = getattr(b.cost, "with_chunk_decodes", None)
         if same is not None and same((), 1, kv) is not None:  # the same seconds, no lists
             def fits(d: int) -> bool:
                 first, mid, last = same((), d, kv)(0, share(d))  # b.time's stages
                 return (max(first, last) if mid is None else max(first, mid, last)) <= period
+        else:
+            def fits(d: int) -> bool:
+                return b.time([(0, share(d))], [kv] * d) <= period
         return max(1, b.largest(fits, 4096)) * self.depth
 
     def prefill_need(self, now: float) -> int:
