@@ -181,6 +181,7 @@ class TokenHop:
         self.tokens: dict[int, list[int]] = {}  # mb id -> its sampled ids, received
         self.rows: dict[int, dict[int, int]] = {}  # mb id -> request id -> index in its message
         self._pending: list = []  # (work, tensor) of sends in flight
+        self.last_ran = -1  # the last micro-batch stage 0 ran (ids rise within one run)
 
     # ---- the last stage --------------------------------------------------------------
     def send(self, mb_id: int, ids: list[int]) -> None:
@@ -212,7 +213,17 @@ class TokenHop:
 
     def before(self, mb_id: int) -> None:
         """Before stage 0 runs `mb_id`: take the messages no placeholder can still name
-        (micro-batches at least `horizon` older: sent already) and forget them."""
+        (micro-batches at least `horizon` older: sent already) and forget them. An id not
+        above the last one run means a new run on the same workers (a new engine numbers
+        its micro-batches from 0, `benchmarks/steady_state.py` runs many on one pipeline):
+        the previous run ended with every result back, so every message still due was
+        sent; take them all and start afresh."""
+        if mb_id < self.last_ran or mb_id == 0 <= self.last_ran:
+            while self.expected:
+                self._receive()
+            self.tokens.clear()
+            self.rows.clear()
+        self.last_ran = mb_id
         oldest = mb_id - self.horizon
         while self.expected and self.expected[0][0] < oldest:
             self._receive()

@@ -2,7 +2,9 @@
 gloo on 127.0.0.1, in two spawned processes (PP = 3: the middle stage takes no part):
 stage 0 gets each micro-batch's ids by request, lazily and in order, skips the micro-
 batches that sample nothing, drops those past its horizon unread, and both sides stop
-cleanly with messages still due; a message out of order is named."""
+cleanly with messages still due; a message out of order is named; a second run on the
+same ranks (micro-batch ids from 0 again, the first run's last messages unread) gets its
+own ids."""
 from __future__ import annotations
 
 import traceback
@@ -14,6 +16,8 @@ from spawned_ranks import run_ranks
 
 # micro-batch id -> the request ids that sample in it (plan order); 2 samples nothing
 PLANS = {0: [4, 7], 1: [5], 2: [], 3: [7, 4, 9], 4: [5], 5: [4], 6: [8]}
+AGAIN = {0: [4], 1: [5]}  # a second run's (a new engine on the same workers)
+SECOND = 100_000  # added to the second run's ids
 
 
 def _token(mb_id: int, rid: int) -> int:
@@ -36,6 +40,8 @@ def _rank(rank: int, port: int, out) -> None:
             for mb_id, rids in PLANS.items():
                 if rids:
                     hop.send(mb_id, [_token(mb_id, r) for r in rids])
+            for mb_id, rids in AGAIN.items():
+                hop.send(mb_id, [SECOND + _token(mb_id, r) for r in rids])
         elif rank == 0:  # stage 0 runs them all, then the ids are asked for out of order
             for mb_id, rids in PLANS.items():
                 hop.before(mb_id)
@@ -48,7 +54,12 @@ def _rank(rank: int, port: int, out) -> None:
                 hop.token(1, 5)
             except RuntimeError as exc:
                 got.append(str(exc))
-        hop.close()  # stage 0 takes mbs 4-6's messages; the last stage's sends complete
+            for mb_id, rids in AGAIN.items():  # mbs 4-6's messages still due, unread
+                hop.before(mb_id)
+                if mb_id == 1:
+                    got.append(hop.token(0, 4))
+                hop.expect(mb_id, rids)
+        hop.close()  # stage 0 takes the messages still due; the last stage's sends complete
         out.put((rank, got))
         dist.destroy_process_group()
     except BaseException:
@@ -62,4 +73,5 @@ def test_stage_zero_gets_each_id_lazily_in_order_and_both_sides_stop_cleanly():
     assert got[:2] == [_token(3, 4), _token(1, 5)]
     assert got[2] == [3]  # kept: mb 3 (read for mb 4); 0 and 1 read and then dropped
     assert "does not expect them" in got[3]
+    assert got[4] == SECOND + _token(0, 4)  # the second run's own id, not the first's
     assert results[2] == [] and results[1] == []
