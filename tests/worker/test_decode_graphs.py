@@ -131,3 +131,15 @@ def test_paged_kernel_equals_the_gather_path(dtype, heads, kv_heads, head_dim, w
     want = decode_attention_views(q.float(), cache.k[0].float(), cache.v[0].float(), layout, window)
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
     torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_paged_decode_without_triton_is_a_one_line_error():
+    from pp_runtime.core.errors import ConfigError
+    from pp_runtime.model.paged_kernel import triton_available, use_paged_decode
+
+    if triton_available():
+        pytest.skip("Triton runs here")
+    cfg = load_config("tiny").with_overrides(decode_attention="paged")
+    with pytest.raises(ConfigError, match="runtime.decode_attention: paged needs Triton"):
+        use_paged_decode(cfg, CPU)
+    assert not use_paged_decode(cfg.with_overrides(decode_attention="auto"), CPU)
