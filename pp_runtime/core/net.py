@@ -1,7 +1,8 @@
 """Two socket rules every process group, test and benchmark shares (no torch).
 
 - `free_port`: a TCP port free on an address now (bound and released; another process may
-  take it before it is used, so a server that can should bind port 0 itself).
+  take it before it is used, so a server that can should bind port 0 itself), never one of
+  Ray's fixed default ports (a dashboard given 52365 collides with Ray's own agent).
 - `keep_on_loopback`: with a loopback rendezvous address (one machine), gloo and NCCL
   listen on the loopback interface too, not on every interface; variables already set win.
 """
@@ -15,11 +16,19 @@ from typing import MutableMapping
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # gloo's and NCCL's interface
 
 
+# Ray's fixed defaults: GCS, dashboard, dashboard agent (ray_constants); a kernel-chosen port
+# can be any of them, and Ray then refuses to start ("used by other components")
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 52365})
+
+
 def free_port(addr: str = "127.0.0.1") -> int:
-    """A port that is free on addr now (bound and released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
+    """A port that is free on addr now (bound and released), not one of RAY_DEFAULT_PORTS."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 def is_loopback(addr: str) -> bool:
