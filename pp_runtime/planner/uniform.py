@@ -43,7 +43,6 @@ docs/planner.md has the measurements (benchmarks/goodput.py).
 from __future__ import annotations
 
 import math
-from itertools import repeat
 
 from pp_runtime.config import Config
 from pp_runtime.core.batch import MicroBatch, SampledTokens, SeqChunk
@@ -253,8 +252,12 @@ class UniformPlanner(BasePlanner):
         b = self.budget
         if b.tbt_slo_s is None:
             return INF
-        last, done = self.last_token_s, self.clock.done
-        first = min(map(last.get, decodes, repeat(now)), default=INF)  # last.get(rid, now)
+        last, done, returning = self.last_token_s, self.clock.done, self.returning
+        first = INF
+        for rid in decodes:  # planned ahead, a decode's last token is the one on its way:
+            mb_id = returning.get(rid)  # its predicted return, not the token before it
+            t = last.get(rid, now) if mb_id is None else done.get(mb_id, now)
+            first = t if t < first else first
         for mb_id in self.carrying:  # tokens on their way: due again after return
             t = done.get(mb_id, now)
             first = t if t < first else first
@@ -379,13 +382,11 @@ class UniformPlanner(BasePlanner):
         last, returning, carrying = self.last_token_s, self.returning, self.carrying
         for rid in out.tokens:
             last[rid] = now
-            mb_id = returning.pop(rid, None)  # self.brought(rid), written out
-            if mb_id is not None:
-                left = carrying[mb_id] - 1
-                if left:
-                    carrying[mb_id] = left
-                else:
-                    del carrying[mb_id]
+        if carrying.pop(mb.mb_id, None) is not None:  # its tokens are back (or dropped);
+            for s in mb.seqs:  # planned ahead, a request's next token may be on its way
+                rid = s.request_id  # in a later micro-batch already: that one stays
+                if s.sampling is not None and returning.get(rid) == mb.mb_id:
+                    del returning[rid]
         finished = super().on_result(mb, out, now)
         for r in finished:
             last.pop(r.request_id, None)

@@ -87,3 +87,37 @@ def test_the_rounds_bound_counts_every_token_on_its_way():
     assert p.round_bound(1e-3, []) == expect
     p.on_result(a, SampledTokens(a.mb_id, {s.request_id: 1 for s in a.seqs}), 2e-3)
     assert set(p.carrying) == {b.mb_id} and sum(p.carrying.values()) == len(b.seqs)
+
+
+def test_planned_ahead_the_bound_follows_the_token_on_its_way():
+    """S = 30 ms, pp 2, planning ahead (the token hop). Request 0's first token comes in
+    micro-batch A; its next decode goes out in B, then (planned ahead, B's token still on
+    its way) in D, two micro-batches after B (C and E: request 1's). When B comes back, D still
+    brings request 0's next token: `returning` keeps D (B's return must not drop it), and
+    the bound for request 0 planned ahead again is D's predicted return + 0.95 x S, not
+    B's token + 0.95 x S (that spans two rounds: B -> D -> the next)."""
+    p = planner("uniform", paged=True, kv_slots=8, max_seq_len=512, pp=2, tbt_slo_ms=30.0)
+    assert p.plan_ahead(True)
+    add(p, 0, 16, 10)
+    a = p.schedule(0.0)
+    p.on_result(a, SampledTokens(a.mb_id, {0: 1}), 1e-3)
+    b = p.schedule(1e-3)  # request 0's decode, its token on its way in B
+    add(p, 1, 16, 10, arrival=1e-3)
+    c = p.schedule(1e-3)  # request 1's prompt (request 0 is one micro-batch behind)
+    d = p.schedule(1e-3)  # planned ahead: request 0's next decode, B still out
+    assert [s.request_id for s in b.seqs] == [0] and 0 in {s.request_id for s in d.seqs}
+    assert p.returning[0] == d.mb_id
+    p.on_result(b, SampledTokens(b.mb_id, {0: 1}), 2e-3)
+    assert p.returning[0] == d.mb_id and p.carrying[d.mb_id] >= 1  # D still brings it
+    p.on_result(c, SampledTokens(c.mb_id, {1: 1}), 3e-3)
+    e = p.schedule(3e-3)  # request 1's decode (request 0's D is one micro-batch back)
+    assert [s.request_id for s in e.seqs] == [1]
+    lent = p._lend(p._next_mb)  # request 0 looks idle again: D is two micro-batches back
+    try:
+        assert 0 in [r.request_id for r, _ in lent]
+        bound = p.round_bound(3e-3, [0])
+    finally:
+        for r, computed in lent:
+            r.num_computed = computed
+    assert bound == p.clock.done[d.mb_id] + 0.95 * 30e-3
+    assert bound > p.last_token_s[0] + 0.95 * 30e-3
