@@ -88,6 +88,8 @@ class UniformPlanner(BasePlanner):
         self.out_share = 1.0  # of max_tokens, what finished requests generated (moving average)
         self.predicted: dict[int, float] = {}  # mb_id -> predicted seconds
         self.clock = PipelineClock(cost_model, self.pp)
+        send = getattr(cost_model, "send_time", None)  # a sampled token's hop to stage 0
+        self.hop_s = send(1, 1) if send is not None and self.pp > 1 else 0.0
         self.last_token_s: dict[int, float] = {}  # request id -> when its last token came
         self.returning: dict[int, int] = {}  # request id -> mb_id bringing its next token
         self.carrying: dict[int, int] = {}  # mb_id -> requests in `returning` it brings
@@ -239,8 +241,24 @@ class UniformPlanner(BasePlanner):
         if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
             even = max(self.min_chunk, -(-left // self.depth))
             self.urgent = self.prefill_need(now)
-            seqs += self.fill(now, kv, prefilling, bound, even)
+            start = self.tokens_back(now, [self.returning.get(s.request_id) for s in seqs])
+            seqs += self.fill(start, kv, prefilling, bound, even)
         return seqs
+
+    def tokens_back(self, now: float, sources) -> float:
+        """The earliest stage 0 may start a micro-batch whose decodes planned ahead wait for
+        the tokens of micro-batches `sources` (None: none on its way): the predicted return
+        of the latest of them plus the hop of one token to stage 0 (as the simulated
+        executor prices it); `now` when not planning ahead. The clock otherwise starts the
+        micro-batch as soon as stage 0 is free and predicts its return early."""
+        if not self.ahead:
+            return now
+        done, start = self.clock.done, now
+        for src in sources:
+            t = done.get(src) if src is not None else None
+            if t is not None and t + self.hop_s > start:
+                start = t + self.hop_s
+        return start
 
     def round_bound(self, now: float, decodes: list[int]) -> float:
         """The latest the next micro-batch may come back (TBT target; inf without): 0.95 x S
@@ -349,7 +367,8 @@ class UniformPlanner(BasePlanner):
             self.predicted[mb.mb_id] = max(times)
             residual = self.budget.residual
             scaled = [t * residual for t in times]
-            self.clock.commit(mb.mb_id, self.clock.completion(now, scaled, tokens))
+            start = self.tokens_back(now, [src for _, src in mb.placeholders])
+            self.clock.commit(mb.mb_id, self.clock.completion(start, scaled, tokens))
             if self.budget.tbt_slo_s is not None:
                 bring, mb_id = self.bring, mb.mb_id
                 for s in mb.seqs:

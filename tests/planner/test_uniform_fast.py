@@ -121,3 +121,43 @@ def test_planned_ahead_the_bound_follows_the_token_on_its_way():
             r.num_computed = computed
     assert bound == p.clock.done[d.mb_id] + 0.95 * 30e-3
     assert bound > p.last_token_s[0] + 0.95 * 30e-3
+
+
+class TwoStages(Stages):
+    """Two stages of equal price (`Stages`' first)."""
+
+    def stage_times(self, prefills, kv):
+        first = super().stage_times(prefills, kv)[0]
+        return [first, first]
+
+
+def test_planned_ahead_the_clock_starts_a_micro_batch_when_its_tokens_are_back():
+    """Planning ahead, a micro-batch whose decodes wait for tokens still on their way
+    cannot start on stage 0 before the latest of them is back and has crossed the hop to
+    stage 0 (one token's send): the clock starts it there, not when stage 0 is free (which
+    predicted its return early and let the TBT target pass at overload). Toy pipeline of
+    two equal stages; request 0 decoding: B carries its decode, C a
+    prompt (C), D request 0's next decode planned ahead with B still out, by hand:
+    stage 0 from max(B's return + hop, stage 0 free), stage 1 after the send."""
+    cost = TwoStages()
+    p = planner("uniform", paged=True, kv_slots=8, max_seq_len=512, pp=2, tbt_slo_ms=30.0)
+    p.clock, p.hop_s = PipelineClock(cost, 2), cost.send_time(1, 1)
+    assert p.plan_ahead(True)
+    add(p, 0, 16, 10)
+    a = p.schedule(0.0)
+    p.on_result(a, SampledTokens(a.mb_id, {0: 1}), 1e-3)
+    b = p.schedule(1e-3)
+    add(p, 1, 1, 10, arrival=1e-3)
+    p.schedule(1e-3)  # C: a one-token prompt, shorter on stage 0 than B's way back
+    free = list(p.clock.free)
+    d = p.schedule(1e-3)
+    assert [s.request_id for s in d.seqs] == [0] and d.placeholders == ((0, b.mb_id),)
+    back = p.clock.done[b.mb_id] + p.hop_s  # B's token at stage 0
+    assert back > free[0]  # stage 0 is free before the token is back: the case at hand
+    t0, t1 = cost.stage_times([], [d.seqs[0].start + 1])
+    end0 = max(back, free[0]) + t0
+    assert end0 + cost.send_time(1, 1) > free[1]  # and stage 1 waits for it, not for C
+    assert p.clock.done[d.mb_id] == max(end0 + cost.send_time(1, 1), free[1]) + t1
+    assert p.tokens_back(1e-3, [b.mb_id, None]) == back
+    p.ahead = False  # not planning ahead: the clock starts it at `now`
+    assert p.tokens_back(1e-3, [b.mb_id]) == 1e-3
