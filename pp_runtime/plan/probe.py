@@ -58,11 +58,13 @@ class Slo:
 
 class ClearMiss(Exception):
     """Raised by `Watch` inside the simulation: the probe misses whatever comes next.
-    served_qps: the requests per second the run worked at (`Watch.served`: where to look next)."""
+    served_qps: the requests per second the run worked at (`Watch.served`: where to look next);
+    certain_at: when the miss became certain, a share of the last arrival's time (near 1 or
+    more: only the end of the arrivals missed, the rate sits just above the capacity)."""
 
-    def __init__(self, what: str, served_qps: float):
+    def __init__(self, what: str, served_qps: float, certain_at: float = 0.0):
         super().__init__(what)
-        self.served_qps = served_qps
+        self.served_qps, self.certain_at = served_qps, certain_at
 
 
 def _need(n: int) -> int:
@@ -94,7 +96,9 @@ class Watch:
         what = (f"p99 TTFT > {ttft:g} s" if self.late >= self.need_ttft else
                 f"p99 TBT > {tbt * 1e3:.0f} ms" if self.slow >= self.need_tbt else None)
         if what:
-            raise ClearMiss(f"{what} certain at {now:.0f} s of the run", self.served(now))
+            last = requests[-1].arrival_s if requests else 0.0
+            raise ClearMiss(f"{what} certain at {now:.0f} s of the run", self.served(now),
+                            now / last if last > 0 else 0.0)
 
     def served(self, now: float) -> float:
         """Requests per second the replica worked at in the second half of the run so far:
@@ -210,10 +214,14 @@ def simulate_probe(one: Config, cost, slo: Slo, replicas: int, stop_early: bool)
         s = summary(simulate(one, cost, progress=False, watch=watch, recorder=ProbeRecorder))
     except ClearMiss as miss:
         return {"ok": False, "stopped": str(miss), "tbt_p99_s": None, "ttft_p99_s": None,
-                "served_qps": miss.served_qps}
+                "served_qps": miss.served_qps, "certain_at": round(miss.certain_at, 6)}
     tbt, ttft = s["tbt_s"]["p99"], s["ttft_s"]["p99"]
     failed = s["num_requests"] - s["finish_reasons"].get("length", 0)
-    return {"ok": meets(tbt, ttft, slo.tbt_s, slo.ttft_s, failed), "tbt_p99_s": tbt,
+    ok = meets(tbt, ttft, slo.tbt_s, slo.ttft_s, failed)
+    end = {}
+    if watch is not None and not ok:  # a miss certain only at its end (`ClearMiss.certain_at`)
+        end = {"certain_at": round(s["makespan_s"] / specs[-1].arrival_s, 6) if specs[-1].arrival_s > 0 else 0.0}
+    return {"ok": ok, **end, "tbt_p99_s": tbt,
             "ttft_p99_s": ttft, "failed": failed, "bubble_fraction": s["bubble_fraction"],
             "bubble_by_cause": s["bubble_fraction_by_cause"],
             "throughput_tok_s": s["throughput_tok_s"] * replicas,

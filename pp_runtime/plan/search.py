@@ -43,7 +43,11 @@ REL_TOL = 0.05  # the grid's step (probe.STEP - 1)
 START = 0.95  # a search starts at this share of the bound (capacities came at 0.5-1 of it: a
 #               miss above is quick and hints where to look, a pass below is a whole run)
 FIRST_JUMP = 2  # grid steps of the first bracketing move (x 1.10), doubled after each
+NARROW = 3  # a bracket this narrow is searched from its top down: a miss just above the capacity
+#             stops before its end, a pass under it runs to the end
 FLOOR = 1e-4  # no capacity searched below this share of the bound
+NEAR = 0.9  # a miss certain only after this share of its arrivals' time hints one point lower
+NEAR_STEPS = 3  # such hints followed one point at a time, at most this many in a row
 WEAK = 0.4  # fast path: a layout's first candidate below this share of its bound is weak
 LOST = "lost at the layout's best"
 PASSED = "passed the layout's best"  # fast path, between its phases
@@ -120,10 +124,12 @@ def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
     """The highest k in [floor, top] with ok(k), ok taken as monotone (true up to the
     capacity, false above); None if none is. known_ok: a k already known ok (the first
     probe is then the higher of start and known_ok + 1: a miss up there is cheap, it stops
-    early). hint(k), after k missed: a grid point it suggests (the rate the miss still
-    served): the next probe goes no higher, and from one that passes there the search
-    climbs in small steps. Which points are probed changes, not the answer."""
+    early). hint(k), after k missed: a grid point it suggests (`miss_hint`): the next probe
+    goes no higher, and from one that passes there the search climbs in small steps; a
+    bracket of NARROW points or fewer is searched from its top down. Which points are
+    probed changes, not the answer."""
     lo, hi, jump, step = known_ok, None, FIRST_JUMP, 0  # step: climbing from a hinted pass
+    near = 0  # misses in a row that hinted the point just below (`_down`)
     if lo is not None and lo >= top:
         return lo
     k = min(max(start, floor) if lo is None else max(start, lo + 1), top)
@@ -142,22 +148,30 @@ def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
                 return None
             guess = hint(k) if hint else None
             if lo is None:  # bracket: down, no higher than the hint, in growing steps
-                k, step, jump = _down(k, guess, jump, floor)
+                near = near + 1 if guess == k - 1 else 0
+                k, step, jump = _down(k, guess, jump, floor, 0 < near <= NEAR_STEPS)
                 continue
             step = climb = 1 if guess is not None and lo < guess < hi - 1 else 0
-            if step:
+            if step and hi - lo > NARROW:
                 k = guess
                 continue
         if hi - lo <= 1:
             return lo
-        k = min(lo + climb, (lo + hi) // 2) if climb else (lo + hi) // 2
+        if hi - lo <= NARROW:  # narrow: the point under the miss
+            k = hi - 1
+        else:
+            k = min(lo + climb, (lo + hi) // 2) if climb else (lo + hi) // 2
 
 
-def _down(k: int, guess: int | None, jump: int, floor: int) -> tuple[int, int, int]:
+def _down(k: int, guess: int | None, jump: int, floor: int,
+          one: bool = False) -> tuple[int, int, int]:
     """After a miss at k with nothing known to pass: the next probe (the hint's point, but
-    at least jump / 2 lower: hints that creep down speed up), the climbing step (1: the
-    hint chose it), the next jump."""
-    if guess is not None and guess < k:
+    at least jump / 2 lower: hints that creep down speed up; one: a hint of the point just
+    below, a miss that was only just one, taken as it is), the climbing step (1: the hint
+    chose it), the next jump."""
+    if one and guess == k - 1:
+        nxt, step = guess, 1
+    elif guess is not None and guess < k:
         nxt, step = min(guess, k - jump // 2), int(guess <= k - jump // 2)
     else:
         nxt, step = k - jump, 0
@@ -198,9 +212,8 @@ def _search_one(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache: Pro
             res.probes.append(seen[k])
         return seen[k].ok
 
-    def served(k: int) -> int | None:  # where a miss suggests looking: the rate it served
-        per_gpu = (seen[k].detail.get("served_qps") or 0.0) / (cfg.parallel.tp * cfg.parallel.pp)
-        return grid_index(per_gpu) if per_gpu > 0 else None
+    def served(k: int) -> int | None:  # where a miss suggests looking (`miss_hint`)
+        return miss_hint(k, seen[k].detail, cfg.parallel.tp * cfg.parallel.pp)
 
     top = grid_index(res.bound_qps / lay.gpus)
     floor = grid_index(res.bound_qps / lay.gpus * FLOOR)
@@ -226,6 +239,16 @@ def _search_one(res: Result, cfg: Config, slo: Slo, stop_early: bool, cache: Pro
         return
     res.outcome = "searched"
     res.detail = (seen[res.k] if res.k is not None else res.probes[-1]).detail
+
+
+def miss_hint(k: int, detail: dict, gpus: int) -> int | None:
+    """Where a miss at grid point k suggests looking next: one point lower where it became
+    certain only near the end of its arrivals (NEAR: the rate sits just above the capacity),
+    else the rate its replica served (gpus: one replica's); None where neither is known."""
+    if detail.get("certain_at", 0.0) >= NEAR:
+        return k - 1
+    per_gpu = (detail.get("served_qps") or 0.0) / gpus
+    return grid_index(per_gpu) if per_gpu > 0 else None
 
 
 def is_weak(first: Result) -> bool:

@@ -217,3 +217,61 @@ def test_a_lucky_pass_above_the_layout_s_best_gets_the_exhaustive_capacity(monke
     alone, _ = search.search_candidate(Result(lucky, bound, 1), cfg[lucky], Slo(1.0, 1.0), True,
                                        None, None)  # the exhaustive path's search
     assert results[0].k == -10 and results[1].k == alone.k == -20
+
+
+@pytest.mark.parametrize("cap", [-12, -8, -7, -6, -3, 0, 4])
+@pytest.mark.parametrize("start", [-20, -7, -2, 6])
+@pytest.mark.parametrize("hint", ["near", "low", "high", None])
+def test_near_miss_hints_and_narrow_brackets_keep_the_answer(cap, start, hint):
+    """After a miss, the next probe follows `miss_hint` (one point lower for a miss certain
+    only near the end of its arrivals) and a bracket of NARROW points or fewer is searched
+    from its top down: the probes change, the grid point found does not."""
+    hints = {"near": lambda k: k - 1, "low": lambda k: cap - 5, "high": lambda k: k - 1 if k > cap + 3 else cap + 2,
+             None: None}
+    asked = []
+
+    def ok(k):
+        asked.append(k)
+        return k <= cap
+
+    assert grid_capacity(ok, start, top=6, floor=-60, hint=hints[hint]) == cap
+    assert len(asked) <= 14, asked
+
+
+def test_a_miss_just_above_the_capacity_costs_one_pass():
+    """A pass runs to its end, a miss stops once certain: from a miss one point above the
+    capacity that says so (its hint: the point below) the search passes once, there."""
+    asked = []
+
+    def ok(k):
+        asked.append(k)
+        return k <= -7
+
+    # far above first (a served rate that overshoots), then just above: one pass in all
+    got = grid_capacity(ok, 4, top=6, floor=-60, hint=lambda k: -6 if k > -6 else k - 1)
+    assert got == -7 and asked == [4, -6, -7]
+    asked.clear()  # a pass below, then the miss above: the point under it next
+    assert grid_capacity(ok, -9, top=6, floor=-60, hint=lambda k: k - 1) == -7
+    assert [k for k in asked if k <= -7] == [-9, -7], asked
+
+
+def test_the_miss_hint_reads_where_the_miss_became_certain():
+    from pp_runtime.plan.search import NEAR, miss_hint
+
+    served = {"served_qps": rate(-20) * 4}  # one replica of 4 GPUs served grid point -20
+    assert miss_hint(-10, served, 4) == -20
+    assert miss_hint(-10, {**served, "certain_at": 0.5}, 4) == -20  # early: far above
+    assert miss_hint(-10, {**served, "certain_at": NEAR}, 4) == -11  # at the end: just above
+    assert miss_hint(-10, {"certain_at": 1.7}, 4) == -11  # a miss only a whole run showed
+    assert miss_hint(-10, {}, 4) is None
+
+
+def test_watch_says_when_the_miss_became_certain():
+    from pp_runtime.plan.probe import ClearMiss
+
+    reqs = [_Req(float(i), i + 0.5 if i < 48 else None) for i in range(100)]  # the last at 99 s
+    w = Watch(Slo(ttft_s=1.0, tbt_s=0.1), num_requests=100, num_tokens=1000)
+    w(_Rec(), reqs, 49.5)  # 48 late: one of the two p99 needs
+    with pytest.raises(ClearMiss) as miss:
+        w(_Rec(), reqs, 50.5)
+    assert miss.value.certain_at == pytest.approx(50.5 / 99)
