@@ -141,12 +141,14 @@ def _pairs(wl) -> list[tuple[int, int]]:
 
 
 def cmd_plan(args) -> int:
-    from pp_runtime.plan.runner import search
+    from pp_runtime.plan.runner import prestart, release, search
     from pp_runtime.plan.search import Slo, Workload
     from pp_runtime.plan.space import candidates
 
     try:
         base = base_config(args)
+        if not args.profile:  # the workers start while the candidates are built (a profile's
+            prestart(args.jobs)  # calibration runs for real on this machine first: not beside it)
         planners = [p.strip() for p in args.planners.split(",") if p.strip()]
         bad = [p for p in planners if p not in PLANNERS]
         if bad or not planners:
@@ -157,6 +159,7 @@ def cmd_plan(args) -> int:
         slo = Slo(args.ttft_slo, args.tbt_slo)
         items, outs = candidates(base, args.gpus, planners, chunks, lengths, (slo.tbt_s, slo.ttft_s))
     except ConfigError as exc:
+        release()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     m = base.model
@@ -176,6 +179,7 @@ def cmd_plan(args) -> int:
           f"deployments to search ({'exhaustive' if args.exhaustive else 'fast'}) in {args.jobs} "
           f"processes, budget {args.budget_minutes:g} min", flush=True)
     if not items:
+        release()
         print("error: " + nothing_fits(outs, args), file=sys.stderr)
         return 2
     t0 = time.perf_counter()

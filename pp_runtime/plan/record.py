@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pp_runtime.core.batch import MicroBatch, SampledTokens
-from pp_runtime.telemetry.bubbles import StageAccumulator, fractions_by_cause
+from pp_runtime.telemetry.bubbles import EPS, StageAccumulator, fractions_by_cause
 from pp_runtime.telemetry.recorder import RunRecorder
 from pp_runtime.telemetry.report import RunResult, percentiles
 
@@ -42,8 +42,37 @@ class ProbeRecorder(RunRecorder):
             acc = stages.get(t.stage)
             if acc is None:
                 acc = stages[t.stage] = StageAccumulator(t.stage)
-            acc.take(t, idle)
+            if acc.start_s is None:
+                acc.take(t, idle)
+            else:
+                _take(acc, t, idle)
         self._tokens(out)
+
+
+def _take(acc: StageAccumulator, t, idle_before_s: float) -> None:
+    """`StageAccumulator.take` written out for a stage past its first call: the same float
+    operations in the same order (min and max as comparisons that pick the same operand),
+    without a method call and its returned tuple (a deep probe does it a million times)."""
+    start, end, send_wait, transfer_s = t.compute_start_s, t.compute_end_s, t.send_wait_s, t.transfer_s
+    gap = start - acc.prev_end_s
+    if gap < -EPS:
+        acc.take(t, idle_before_s)  # raises, as the rule does
+    if gap < 0.0:  # max(gap, 0.0)
+        gap = 0.0
+    transfer = transfer_s if transfer_s < gap else gap
+    rest = gap - transfer
+    wait = t.wait_s
+    upstream = rest if rest < wait else wait  # min(wait, rest)
+    empty = gap - transfer - upstream
+    idle = idle_before_s if idle_before_s < empty else empty
+    acc.transfer_s += transfer
+    acc.upstream_s += upstream
+    acc.dependency_s += empty - idle
+    acc.idle_s += idle
+    acc.busy_s += end - start
+    acc.downstream_s += send_wait
+    acc.num_microbatches += 1
+    acc.prev_end_s = end + send_wait
 
 
 def summary(run: RunResult) -> dict:

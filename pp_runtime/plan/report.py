@@ -131,9 +131,11 @@ def plot(results: list[Result], slo: Slo, path: Path, title: str) -> Path | None
         for ax, key in zip(axes, ("tbt_p99_s", "ttft_p99_s")):
             y = [p.detail.get(key) or float("nan") for p in pts]
             ax.plot(x, y, lw=1.5, color=style["color"], label=f"{name} C{r.candidate.chunk_size}")
-            for xi, yi, p in zip(x, y, pts):
-                ax.plot(xi, yi, marker=style["marker"], color=style["color"], markersize=5,
-                        markerfacecolor=style["color"] if p.ok else "white")
+            for met in (True, False):  # one line of markers each, not one per probe
+                at = [(xi, yi) for xi, yi, p in zip(x, y, pts) if p.ok is met]
+                if at:
+                    ax.plot(*zip(*at), ls="none", marker=style["marker"], color=style["color"],
+                            markersize=5, markerfacecolor=style["color"] if met else "white")
     for ax, limit, what in ((axes[0], slo.tbt_s, "p99 time between tokens"),
                             (axes[1], slo.ttft_s, "p99 time to first token")):
         latency_axis(ax, limit, what, "request rate per GPU (req/s, Poisson)", fontsize=7)

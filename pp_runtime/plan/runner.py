@@ -33,13 +33,33 @@ from pp_runtime.plan.space import Candidate
 FIRST, LAYOUT, SINGLE = 0, 1, 2  # the order waiting work goes out in
 
 
+_STARTED: dict[int, ProcessPoolExecutor] = {}  # jobs -> a pool `prestart` started
+
+
+def prestart(jobs: int) -> None:
+    """Start the worker processes now, each importing what a probe runs, so that they are
+    ready when the search starts (`pp-runtime plan` calls it before it builds the
+    candidates: their layer splits and bounds take a second of one core)."""
+    if jobs not in _STARTED:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a threaded parent
+        _STARTED[jobs] = pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+        for _ in range(jobs):  # each submit starts one process (spawn): all of them, now
+            pool.submit(_ready)
+
+
+def release() -> None:
+    """Stop the processes `prestart` started that no search took (a plan that ended early)."""
+    while _STARTED:
+        _STARTED.popitem()[1].shutdown(cancel_futures=True)
+
+
 class Runner:
     """Runs candidate searches in `jobs` processes; no new one after the budget."""
 
     def __init__(self, jobs: int, budget_s: float, slo: Slo, stop_early: bool,
                  cache_dir: str | None, bar: tqdm):
-        ctx = multiprocessing.get_context("spawn")  # no fork of a threaded parent
-        self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+        prestart(jobs)
+        self.pool = _STARTED.pop(jobs)
         self.jobs, self.deadline = jobs, time.monotonic() + budget_s
         self.args, self.bar, self.simulated, self.asked = (slo, stop_early, cache_dir), bar, 0, 0
         self.queue: list = []
@@ -112,6 +132,8 @@ class Runner:
                     done(_expired(fn, args))
                     continue
                 running[self.pool.submit(fn, *args)] = done
+            if not self.queue and len(running) < self.jobs:
+                _report_modules()  # a process is free until the end: the report's imports now
             if running:
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for fut in finished:
@@ -131,6 +153,16 @@ def _expired(fn: Callable, args: tuple):
     return [res for res, _ in args[1]], (0, 0)
 
 
+def _report_modules() -> None:
+    """matplotlib, which the report draws its figures with (half a second to import)."""
+    import sys
+    if "matplotlib.pyplot" in sys.modules:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
 def _ready() -> None:
     """A worker's first task: the modules a probe runs, imported."""
     import pp_runtime.engine.simulate  # noqa: F401
@@ -141,12 +173,11 @@ def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: 
            budget_s: float, fast: bool = True, cache_dir: str | None = None,
            progress: bool = True, stop_early: bool = True) -> tuple[list[Result], tuple[int, int]]:
     """Every candidate's Result (module docstring), the probes simulated and asked for.
-    The processes start (and import what a probe runs) while the bounds are computed."""
+    The processes start (and import what a probe runs) while the bounds are computed, or
+    earlier (`prestart`)."""
     bar = tqdm(total=len(items), unit="deployment", desc="plan", disable=not progress, leave=False)
     run = Runner(jobs, budget_s, slo, stop_early, cache_dir, bar)
     try:
-        for _ in range(jobs):  # each submit starts one process (spawn): all of them, now
-            run.pool.submit(_ready)
         groups = ordered(items, wl, slo)
         results = [r for g in groups for r, _ in g]
         if not fast:
