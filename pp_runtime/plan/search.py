@@ -46,7 +46,7 @@ FIRST_JUMP = 2  # grid steps of the first bracketing move (x 1.10), doubled afte
 NARROW = 3  # a bracket this narrow is searched from its top down: a miss just above the capacity
 #             stops before its end, a pass under it runs to the end
 FLOOR = 1e-4  # no capacity searched below this share of the bound
-NEAR = 0.9  # a miss certain only after this share of its arrivals' time hints one point lower
+NEAR = 0.85  # a miss certain only after this share of its arrivals' time hints one point lower
 NEAR_STEPS = 3  # such hints followed one point at a time, at most this many in a row
 WEAK = 0.4  # fast path: a layout's first candidate below this share of its bound is weak
 LOST = "lost at the layout's best"

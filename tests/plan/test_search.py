@@ -275,3 +275,12 @@ def test_watch_says_when_the_miss_became_certain():
     with pytest.raises(ClearMiss) as miss:
         w(_Rec(), reqs, 50.5)
     assert miss.value.certain_at == pytest.approx(50.5 / 99)
+
+
+def test_workers_started_early_are_released_when_no_search_takes_them():
+    from pp_runtime.plan import runner
+
+    runner.prestart(1)
+    pool = runner._STARTED[1]
+    runner.release()
+    assert not runner._STARTED and pool._shutdown_thread
