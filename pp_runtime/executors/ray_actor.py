@@ -135,7 +135,7 @@ class StageActor(RelayMember):
         if self.worker is not None:  # every rank is asked at once: stage 0 takes what the
             self.worker.close_hop()  # last stage still sends (parallel/p2p.TokenHop.close)
         if self.worker is not None and self.worker.link is not None:
-            self.worker.link.flush()
+            self.worker.link.close()  # receives posted ahead ended (parallel/p2p.StageLink.close)
         destroy()
 
 

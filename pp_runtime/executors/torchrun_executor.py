@@ -92,6 +92,8 @@ class TorchrunExecutor:
         if self.world and not self.failed:
             if self.token_hop:  # the token hop's messages still due (every one was sent)
                 self.worker.close_hop()
+            if self.worker.link is not None:  # stage 1's receive posted ahead: ended
+                self.worker.link.close()
             self.ctrl.broadcast(None, wire.PLAN)
             self.ctrl.flush()
             self.world = 0
@@ -106,6 +108,6 @@ def serve(worker: StageWorker, ctrl: ControlChannel) -> int:
         n += 1
     worker.close_hop()  # the last stage: until rank 0 took its token messages
     if worker.link is not None:
-        worker.link.flush()
+        worker.link.close()  # the receive posted ahead ended (parallel/p2p.StageLink.close)
     ctrl.flush()
     return n

@@ -43,6 +43,8 @@ from pp_runtime.telemetry.timer import Op, SpanRecord
 
 ONE_MESSAGE_BYTES = 64 << 10  # a slice up to this size rides in the header's message
 HEADER_BYTES = 8  # the micro-batch id, one int64
+FIXED_BYTES = HEADER_BYTES + ONE_MESSAGE_BYTES  # gloo: every header message (posted ahead)
+END = -1  # the header of a clean close's last message (gloo)
 
 
 class StageLink:
@@ -51,6 +53,12 @@ class StageLink:
         self.width = hidden // groups.tp  # one TP rank's slice of the activations
         self._pending: list = []  # (work, tensor) of sends in flight: tensors kept alive
         self._headers: list = []  # CUDA: (pinned host copy of a header, the id expected)
+        # gloo: the next header's receive is posted as soon as this one is in (`ahead`), so
+        # the previous stage's send is taken while this stage computes; every header
+        # message is then of one size (`FIXED_BYTES`), whatever the micro-batch
+        self.ahead = device.type == "cpu"
+        self._next: tuple | None = None  # (work, buffer) of the receive posted ahead
+        self._sent = 0  # messages of headers sent (a clean close ends them with END)
 
     def _check(self, got: int, want: int) -> None:
         if got != want:
@@ -68,10 +76,16 @@ class StageLink:
         """The previous stage's activations [T, hidden]; spans RECV_WAIT and TRANSFER."""
         nbytes = mb.num_tokens * self.width * self.dtype.itemsize
         one = nbytes <= ONE_MESSAGE_BYTES
-        buf = torch.empty(HEADER_BYTES + (nbytes if one else 0), dtype=torch.uint8,
-                          device=self.device)  # [8 (+ slice bytes)]
-        with rec.span(Op.RECV_WAIT):
-            dist.recv(buf, src=self.g.prev_rank)
+        if self.ahead:
+            with rec.span(Op.RECV_WAIT):
+                work, buf = self._next if self._next is not None else self._post()
+                self._next = None
+                work.wait()
+        else:
+            buf = torch.empty(HEADER_BYTES + (nbytes if one else 0), dtype=torch.uint8,
+                              device=self.device)  # [8 (+ slice bytes)]
+            with rec.span(Op.RECV_WAIT):
+                dist.recv(buf, src=self.g.prev_rank)
         with rec.span(Op.TRANSFER):  # starts where the wait ended, on host and stream alike
             header = buf[:HEADER_BYTES].view(torch.long)
             if self.device.type == "cuda":  # read once the call's timing has resolved
@@ -80,11 +94,14 @@ class StageLink:
             else:
                 self._check(int(header.item()), mb.mb_id)
             if one:
-                part = buf[HEADER_BYTES:].view(self.dtype).view(mb.num_tokens, self.width)
+                part = buf[HEADER_BYTES:HEADER_BYTES + nbytes].view(self.dtype).view(
+                    mb.num_tokens, self.width)
             else:
                 part = torch.empty(mb.num_tokens, self.width, dtype=self.dtype,
                                    device=self.device)  # [T, hidden / tp]
                 dist.recv(part, src=self.g.prev_rank)
+            if self.ahead:  # after the slice's own message: messages match in order
+                self._next = self._post()
             if self.g.tp > 1:
                 parts = [torch.empty_like(part) for _ in range(self.g.tp)]
                 dist.all_gather(parts, part.contiguous(), group=self.g.tp_group)
@@ -101,14 +118,39 @@ class StageLink:
         part = hidden.narrow(1, self.g.tp_rank * self.width, self.width)  # [T, hidden / tp]
         nbytes = part.numel() * part.element_size()
         one = nbytes <= ONE_MESSAGE_BYTES
-        buf = torch.empty(HEADER_BYTES + (nbytes if one else 0), dtype=torch.uint8,
-                          device=self.device)  # [8 (+ slice bytes)]
+        size = FIXED_BYTES if self.ahead else HEADER_BYTES + (nbytes if one else 0)
+        buf = torch.empty(size, dtype=torch.uint8, device=self.device)  # [8 (+ slice bytes)]
         buf[:HEADER_BYTES].view(torch.long).fill_(mb.mb_id)  # no host copy on CUDA
         if one:
-            buf[HEADER_BYTES:].view(part.dtype).view(part.shape).copy_(part)
+            buf[HEADER_BYTES:HEADER_BYTES + nbytes].view(part.dtype).view(part.shape).copy_(part)
         msgs = (buf,) if one else (buf, part.contiguous())
         for t in msgs:
             self._pending.append((dist.isend(t, dst=self.g.next_rank), t))
+        self._sent += 1
+
+    def _post(self) -> tuple:
+        """gloo: post the receive of the next header message (`ahead`)."""
+        buf = torch.empty(FIXED_BYTES, dtype=torch.uint8, device=self.device)
+        return dist.irecv(buf, src=self.g.prev_rank), buf
+
+    def close(self) -> None:
+        """A clean shutdown, every rank at once: with receives posted ahead, the next stage's
+        is ended by an `END` header and this stage's own taken; then the sends are waited
+        for (`flush`), so no message or receive is left in flight."""
+        if self.ahead and self.g.next_rank is not None and self._sent:
+            end = torch.empty(FIXED_BYTES, dtype=torch.uint8, device=self.device)
+            end[:HEADER_BYTES].view(torch.long).fill_(END)
+            self._pending.append((dist.isend(end, dst=self.g.next_rank), end))
+            self._sent = 0
+        if self._next is not None:
+            work, buf = self._next
+            self._next = None
+            work.wait()
+            got = int(buf[:HEADER_BYTES].view(torch.long)[0])
+            if got != END:
+                raise RuntimeError(f"stage {self.g.stage} tp rank {self.g.tp_rank}: closing, "
+                                   f"the previous stage sent micro-batch {got} nobody ran")
+        self.flush()
 
     def flush(self) -> None:
         """Wait until earlier sends have been taken (their buffers may then be freed). On
