@@ -14,6 +14,11 @@ written by `profile/calibrate.py` next to the profile's tables:
 
       real compute = scale * priced + per_layer_s * layers + per_row_s * sampling rows (last stage)
 
+  then each stage's measured total over that fit's total for it (`stage_scale`): what is
+  particular to one stage (its process's placement on the cores, the LM head's GEMV
+  against the layers' GEMMs) and one shared fit cannot see, so each stage's busy time is
+  its own;
+
 - **host cost per micro-batch** (`HostCost`): the driver's turn (planning, `on_result`),
   submitting the call, the call reaching a stage, each stage's time between two calls
   (returning its result, taking the next call), and the result's return trip to the
@@ -37,6 +42,15 @@ class ComputeFit:
     scale: float = 1.0  # multiplies the profile's price (contention: stages side by side)
     per_layer_s: float = 0.0  # per layer per micro-batch, not in the per-op tables
     per_row_s: float = 0.0  # last stage: per sampling row (sampling, logits copy)
+    stage_scale: tuple[float, ...] = ()  # per stage: measured / fitted over the run (one
+    #                                      a stage; () is 1.0 everywhere)
+
+    def stage_factors(self, pp: int) -> list[float] | None:
+        """`stage_scale` for a pipeline of `pp` stages, or None (no factor, or fitted at
+        another depth)."""
+        if len(self.stage_scale) != pp or all(f == 1.0 for f in self.stage_scale):
+            return None
+        return list(self.stage_scale)
 
     def per_layer(self, priced_s: float) -> float:
         return self.scale * priced_s + self.per_layer_s
@@ -110,7 +124,9 @@ def load(profile_dir: str | Path, executor: str, pp: int, path: str = "",
         return None
     host = dict(entry.get("host", {}))
     host["call_s"] = tuple(host.get("call_s", ()))
-    return Calibration(entry["executor"], int(entry["pp"]), ComputeFit(**entry.get("compute", {})),
+    compute = dict(entry.get("compute", {}))
+    compute["stage_scale"] = tuple(compute.get("stage_scale", ()))
+    return Calibration(entry["executor"], int(entry["pp"]), ComputeFit(**compute),
                        HostCost(**host), tuple(entry.get("layer_split", ())),
                        int(entry.get("microbatches", 0)), float(entry.get("residual", 0.0)),
                        entry.get("path", ""), int(entry.get("tp", 1)))
@@ -123,6 +139,7 @@ def save(profile_dir: str | Path, cal: Calibration, auto: bool = False) -> Path:
     data = json.loads(path.read_text()) if path.is_file() else {}
     entry = asdict(cal)
     entry["host"]["call_s"] = list(cal.host.call_s)
+    entry["compute"]["stage_scale"] = list(cal.compute.stage_scale)
     entry["layer_split"] = list(cal.layer_split)
     data[cal.key] = entry
     if auto:
@@ -134,8 +151,10 @@ def save(profile_dir: str | Path, cal: Calibration, auto: bool = False) -> Path:
 def describe(cal: Calibration) -> str:
     c, h = cal.compute, cal.host
     calls = ", ".join(f"{x * 1e3:.2f}" for x in h.call_s)
+    stages = (" (stages " + " / ".join(f"x{f:.3f}" for f in c.stage_scale) + ")"
+              if c.stage_scale else "")
     return (f"{cal.key}: compute x{c.scale:.3f} + {c.per_layer_s * 1e3:.2f} ms/layer + "
-            f"{c.per_row_s * 1e3:.3f} ms/sampling row (fit over {cal.microbatches} micro-batches, "
+            f"{c.per_row_s * 1e3:.3f} ms/sampling row{stages} (fit over {cal.microbatches} micro-batches, "
             f"rms {cal.residual:.1%}); host: plan {h.plan_s * 1e3:.2f} ms, submit "
             f"{h.submit_s * 1e3:.2f} ms, dispatch {h.dispatch_s * 1e3:.2f} ms, between calls "
             f"[{calls}] ms, return {h.return_s * 1e3:.2f} ms")

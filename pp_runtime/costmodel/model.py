@@ -95,6 +95,7 @@ class StageCostModel:
         pp, tp = cfg.parallel.pp, cfg.parallel.tp
         self.pricing, self.calibration = pricing, cal
         self.fit = cal.compute if cal else ComputeFit()  # identity without a calibration
+        self.stage_f = self.fit.stage_factors(pp)  # each stage's own calibration, or None
         self.host = cal.host if cal else None  # the simulator's host costs (executors/sim.py)
         self.layers = cfg.layers_per_stage()  # layers per stage (whole or half layers)
         self.deepest = self.layers.index(max(self.layers))  # stage that breakdown() reports
@@ -159,6 +160,8 @@ class StageCostModel:
             times = [a * attn + m * (per_layer - attn) for a, m in self.halves]
         times[0] += emb
         times[-1] += head
+        if self.stage_f is not None:
+            return [t * f for t, f in zip(times, self.stage_f)]
         return times
 
     def keep_stage_times(self, prefills: list[tuple[int, int]],
@@ -192,7 +195,9 @@ class StageCostModel:
     def _chunkable(self) -> bool:
         """No layer cut in two, and the middle stages (between the first and the last)
         all of the same layers."""
-        return self.halves is None and len(set(self.layers[1:-1])) <= 1
+        f = self.stage_f
+        return (self.halves is None and len(set(self.layers[1:-1])) <= 1
+                and (f is None or len(set(f[1:-1])) <= 1))
 
     def _with_chunk(self, prefills: Sequence[tuple[int, int]], nd: int, sum_kv: int):
         layers = self.layers
@@ -204,6 +209,8 @@ class StageCostModel:
             attn0 += self._prefill(start, n)
         rows, fit, prefill, one = nd + len(prefills) + 1, self.fit, self._prefill, len(self.layers) == 1
         scale, per_layer_s, per_row = fit.scale, fit.per_layer_s, fit.per_row_s * (nd + len(prefills) + 1)
+        f = self.stage_f
+        f0, fm, fl = (1.0, 1.0, 1.0) if f is None else (f[0], f[1] if len(f) > 2 else 1.0, f[-1])
 
         def times(start: int, n: int) -> tuple[float, float | None, float]:
             tokens = fixed + n
@@ -213,10 +220,16 @@ class StageCostModel:
             per_layer = scale * (self._layer[tokens] + attn) + per_layer_s
             emb = scale * self._emb[tokens]
             head = scale * self._head[rows] + per_row
-            if one:
-                t = k0 * per_layer + emb + head
+            if f is None:
+                if one:
+                    t = k0 * per_layer + emb + head
+                    return t, None, t
+                return k0 * per_layer + emb, None if km is None else km * per_layer, kl * per_layer + head
+            if one:  # the stages' own factors, applied as `stage_times` does (the same floats)
+                t = (k0 * per_layer + emb + head) * f0
                 return t, None, t
-            return k0 * per_layer + emb, None if km is None else km * per_layer, kl * per_layer + head
+            return ((k0 * per_layer + emb) * f0, None if km is None else km * per_layer * fm,
+                    (kl * per_layer + head) * fl)
 
         return times
 
@@ -276,6 +289,8 @@ class StageCostModel:
             out = {name: fit.scale * t for name, t in out.items()}
             out["calibrated_overhead"] = k * fit.per_layer_s + (
                 fit.per_row_s * rows if s == len(self.layers) - 1 else 0.0)
+            if self.stage_f is not None:
+                out = {name: self.stage_f[s] * t for name, t in out.items()}
         return out
 
     def sources(self) -> dict[str, str]:

@@ -13,7 +13,8 @@ and when each stage takes, computes and frees it. From those:
   profile's price of the same micro-batch on that stage, least squares of the error in
   seconds with negative terms dropped (`costmodel.attention.lstsq_dropping_negatives`:
   the long micro-batches make the run's time, so they weigh most); the first 2 * pp
-  micro-batches are warm-up and left out;
+  micro-batches are warm-up and left out; then each stage's factor (`stage_scale`), its
+  measured compute over the fit's for it summed over the run;
 - the host costs (`HostCost`), medians over the micro-batches where each is visible:
   plan (the driver's time before a submit), submit, dispatch (submit to an idle stage 0
   taking it), each stage's time between calls (when the next call was already queued),
@@ -110,7 +111,7 @@ def fit_compute(cfg: Config, mbs: dict[int, MicroBatch],
 
     cost = StageCostModel(cfg, build_pricing(cfg))  # the profile alone, not calibrated
     layers, last = cost.layers, len(cost.layers) - 1
-    x, y = [], []
+    x, y, stage = [], [], []
     for i in sorted(mbs)[WARM_UP * len(layers):]:
         mb = mbs[i]
         decodes = [s.start + 1 for s in mb.seqs if s.is_decode]
@@ -123,12 +124,27 @@ def fit_compute(cfg: Config, mbs: dict[int, MicroBatch],
             s = t.stage
             x.append([priced[s], layers[s], rows if s == last else 0.0])
             y.append(t.compute_end_s - t.compute_start_s)
+            stage.append(s)
     if not y:
         return ComputeFit(), 0, 0.0
-    xa, ya = np.array(x), np.array(y)
+    xa, ya, sa = np.array(x), np.array(y), np.array(stage)
     coef = lstsq_dropping_negatives(xa, ya, relative=False)  # seconds: the run's total counts
-    rms = float(np.sqrt(np.mean(((xa @ coef) / ya - 1) ** 2)))
-    return ComputeFit(float(coef[0]), float(coef[1]), float(coef[2])), len(y), rms
+    fitted = xa @ coef
+    factors = stage_factors(fitted, ya, sa, len(layers))
+    rms = float(np.sqrt(np.mean((fitted * np.array(factors)[sa] / ya - 1) ** 2)))
+    return (ComputeFit(float(coef[0]), float(coef[1]), float(coef[2]),
+                       tuple(factors) if len(layers) > 1 else ()), len(y), rms)
+
+
+def stage_factors(fitted, measured, stage, pp: int) -> list[float]:
+    """Each stage's measured compute over the shared fit's, summed over the run (1.0 for a
+    stage the run never timed)."""
+    out = []
+    for s in range(pp):
+        mine = stage == s
+        total = float(fitted[mine].sum())
+        out.append(float(measured[mine].sum()) / total if total > 0 else 1.0)
+    return out
 
 
 WHOLE_PROMPTS = "orca-best"  # the second calibration run: whole prompts in one micro-batch

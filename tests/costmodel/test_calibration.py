@@ -146,3 +146,39 @@ def test_a_calibration_runs_the_path_the_simulator_prices(monkeypatch, tmp_path)
     except RuntimeError:
         pass
     assert seen and seen[0].runtime.token_hop is False
+
+
+def test_each_stage_keeps_its_own_factor_over_the_shared_fit():
+    """Hand-made: the shared fit prices stage 0 at 10 + 10 and stage 1 at 20 + 30; stage 0
+    measured 22 in all, stage 1 45: factors 22 / 20 and 45 / 50."""
+    import numpy as np
+
+    from pp_runtime.profile.calibrate import stage_factors
+
+    fitted, measured = np.array([10.0, 20.0, 10.0, 30.0]), np.array([11.0, 18.0, 11.0, 27.0])
+    stage = np.array([0, 1, 0, 1])
+    assert stage_factors(fitted, measured, stage, 2) == pytest.approx([1.1, 0.9])
+    assert stage_factors(fitted, measured, stage, 3)[2] == 1.0  # a stage never timed
+
+
+def test_stage_factors_scale_each_stage_and_travel_through_the_file(tmp_path):
+    cfg = Config().with_overrides(pp=2, layer_split=[7, 5])
+    pricing = build_pricing(cfg)
+    fit = ComputeFit(scale=1.25, per_layer_s=0.002, per_row_s=0.0005)
+    shared = StageCostModel(cfg, pricing, Calibration("ray", 2, fit))
+    own = Calibration("ray", 2, ComputeFit(1.25, 0.002, 0.0005, (1.1, 0.9)), tp=1)
+    mine = StageCostModel(cfg, pricing, own)
+    prefills, decodes = [(0, 120)], [300] * 7
+    base, got = shared.stage_times(prefills, decodes), mine.stage_times(prefills, decodes)
+    assert got == pytest.approx([1.1 * base[0], 0.9 * base[1]])
+    assert sum(mine.breakdown(prefills, decodes).values()) == pytest.approx(got[0])
+    # the planner's fast path prices the same floats, to the bit
+    times = mine.with_chunk([], decodes)
+    assert times is not None
+    first, _, last = times(0, 120)
+    assert [first, last] == mine.stage_times([(0, 120)], decodes)
+    calibration.save(tmp_path, own)
+    back = calibration.load(tmp_path, "ray", 2)
+    assert back == own and back.compute.stage_factors(2) == [1.1, 0.9]
+    assert back.compute.stage_factors(3) is None  # fitted at another depth: not applied
+    assert "stages x1.100 / x0.900" in calibration.describe(back)
