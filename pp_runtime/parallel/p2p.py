@@ -17,7 +17,11 @@ span only the check and the all-gather. Both sides decide from the micro-batch's
 count. On the sending side, the time blocked until the next stage took the previous send
 is back-pressure (`Op.SEND_WAIT`). The caller's `SpanRecord` takes the spans (`telemetry/timer.py`):
 
-- gloo (CPU): every wait blocks the host; spans are host times.
+- gloo (CPU): every wait blocks the host; spans are host times. A gloo send moves only
+  once its receive is posted, so the receive of the next header is posted as soon as one
+  is in (`StageLink.ahead`): the previous stage's send is taken while this stage computes
+  (that round trip cost ~3.5 ms a micro-batch on two shared cores, docs/distributed.md).
+  Every header message is then `FIXED_BYTES`, and `close` ends the receive posted ahead.
 - NCCL (GPU): `recv`, `all_gather` and a send's `work.wait()` return at once and make the
   current stream wait for NCCL's stream; spans are events on the current stream, so they
   measure how long the *stream* was held: from being free for this micro-batch until the
