@@ -26,7 +26,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 from pp_runtime.bench.capacity import Probe, meets
@@ -75,27 +75,44 @@ def _need(n: int) -> int:
 class Watch:
     """Stops a simulation whose p99 TTFT or p99 TBT miss is certain (module docstring)."""
 
-    def __init__(self, slo: Slo, num_requests: int, num_tokens: int, mean_tokens: float = 0.0):
+    def __init__(self, slo: Slo, num_requests: int, num_tokens: int, mean_tokens: float = 0.0,
+                 arrivals: list[float] | None = None):
         self.slo, self.mean_tokens = slo, mean_tokens
         self.need_ttft, self.need_tbt = _need(num_requests), _need(max(1, num_tokens))
         self.next = self.late = self.gap = self.slow = 0
         self.times: list[float] = []  # when each micro-batch came back
         self.done: list[int] = []  # tokens computed until then
+        # each request's TTFT deadline, in arrival order (the same float sums as
+        # arrival_s + ttft_s); None: read from the requests as they pass
+        self.deadlines = None if arrivals is None else [a + slo.ttft_s for a in arrivals]
 
     def __call__(self, rec, requests, now: float) -> None:
         ttft = self.slo.ttft_s
         self.times.append(now)
-        self.done.append((self.done[-1] if self.done else 0) + rec.last_tokens)
-        while self.next < len(requests) and requests[self.next].arrival_s + ttft < now:
-            r = requests[self.next]  # its deadline passed: on time or not is settled
-            self.late += r.first_token_s is None or r.first_token_s - r.arrival_s > ttft
-            self.next += 1
-        gaps, tbt = rec.token_gaps_s, self.slo.tbt_s
-        self.slow += sum(g > tbt for g in gaps[self.gap:])
-        self.gap = len(gaps)
-        what = (f"p99 TTFT > {ttft:g} s" if self.late >= self.need_ttft else
-                f"p99 TBT > {tbt * 1e3:.0f} ms" if self.slow >= self.need_tbt else None)
-        if what:
+        if hasattr(rec, "tokens_done"):  # a ProbeRecorder counts its tokens and slow gaps
+            self.done.append(rec.tokens_done)
+            self.slow = rec.slow
+        else:
+            self.done.append((self.done[-1] if self.done else 0) + rec.last_tokens)
+            gaps, tbt = rec.token_gaps_s, self.slo.tbt_s
+            self.slow += sum(g > tbt for g in gaps[self.gap:])
+            self.gap = len(gaps)
+        deadlines, i = self.deadlines, self.next
+        if deadlines is not None and len(deadlines) == len(requests):
+            n = len(deadlines)
+            while i < n and deadlines[i] < now:
+                r = requests[i]  # its deadline passed: on time or not is settled
+                self.late += r.first_token_s is None or r.first_token_s - r.arrival_s > ttft
+                i += 1
+        else:
+            while i < len(requests) and requests[i].arrival_s + ttft < now:
+                r = requests[i]
+                self.late += r.first_token_s is None or r.first_token_s - r.arrival_s > ttft
+                i += 1
+        self.next = i
+        if self.late >= self.need_ttft or self.slow >= self.need_tbt:
+            what = (f"p99 TTFT > {ttft:g} s" if self.late >= self.need_ttft else
+                    f"p99 TBT > {self.slo.tbt_s * 1e3:.0f} ms")
             last = requests[-1].arrival_s if requests else 0.0
             raise ClearMiss(f"{what} certain at {now:.0f} s of the run", self.served(now),
                             now / last if last > 0 else 0.0)
@@ -209,9 +226,11 @@ def simulate_probe(one: Config, cost, slo: Slo, replicas: int, stop_early: bool)
     if stop_early:
         specs = generate(one.workload)
         watch = Watch(slo, len(specs), sum(s.output_len for s in specs),
-                      sum(s.prompt_len + s.output_len for s in specs) / len(specs))
+                      sum(s.prompt_len + s.output_len for s in specs) / len(specs),
+                      [s.arrival_s for s in specs])
     try:
-        s = summary(simulate(one, cost, progress=False, watch=watch, recorder=ProbeRecorder))
+        s = summary(simulate(one, cost, progress=False, watch=watch,
+                             recorder=partial(ProbeRecorder, slow_above=slo.tbt_s)))
     except ClearMiss as miss:
         return {"ok": False, "stopped": str(miss), "tbt_p99_s": None, "ttft_p99_s": None,
                 "served_qps": miss.served_qps, "certain_at": round(miss.certain_at, 6)}

@@ -25,6 +25,9 @@ from pp_runtime.telemetry.report import RunResult, percentiles
 class ProbeRecorder(RunRecorder):
     prefill_ran: int = 0  # prompt tokens that went through the pipeline
     last_tokens: int = 0  # tokens of the micro-batch that came back last (`probe.Watch`)
+    tokens_done: int = 0  # tokens of every micro-batch back so far (`probe.Watch`)
+    slow_above: float = float("inf")  # a time between tokens above this is slow (the TBT SLO)
+    slow: int = 0  # times between tokens recorded above slow_above (`probe.Watch`)
 
     def __call__(self, mb: MicroBatch, out: SampledTokens) -> None:
         prefill = decodes = 0
@@ -35,6 +38,7 @@ class ProbeRecorder(RunRecorder):
                 prefill += s.num_tokens
         self.prefill_ran += prefill
         self.last_tokens = prefill + decodes
+        self.tokens_done += prefill + decodes
         stages, idle = self.stages, mb.idle_before_s
         for t in out.timings:  # bubbles.add_microbatch, without what it yields
             if t.tp_rank != 0:
@@ -47,6 +51,22 @@ class ProbeRecorder(RunRecorder):
             else:
                 _take(acc, t, idle)
         self._tokens(out)
+
+
+    def _tokens(self, out: SampledTokens) -> None:
+        """RunRecorder._tokens, counting the slow times between tokens as it records them."""
+        now, last, gaps, above = self.clock(), self._last_token_s, self.token_gaps_s, self.slow_above
+        slow = 0
+        for rid in out.tokens:
+            if rid in last:
+                gap = now - last[rid]
+                gaps.append(gap)
+                if gap > above:
+                    slow += 1
+            last[rid] = now
+        self.slow += slow
+        if self.on_tokens:
+            self.on_tokens(len(out.tokens))
 
 
 def _take(acc: StageAccumulator, t, idle_before_s: float) -> None:

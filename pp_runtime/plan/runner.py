@@ -1,12 +1,13 @@
 """The search's worker processes: candidate searches (`search.search_candidate`) and
 layouts searched in order (`search.search_in_order`) run in `jobs` spawned processes, and
-no new one starts after the budget (what it leaves is marked `budget`).
+no new one starts after the budget (what it leaves is marked `budget`). The fast path's
+layouts come one at a time (their bounds computed while the processes search the first).
 
 The exhaustive path is one batch (`Runner.__call__`). The fast path (`Runner.fast`) is a
 small state machine per layout: its first candidate; then either its others against that
 best, one task each, and once all are back each one that passed searched to its capacity
-from its own start, as the exhaustive path searches it, one task each; or, for a weak
-layout, its others in order as one task. A layout's next step is queued
+from its own start, as the exhaustive path searches it, one task each; or, for a layout
+whose first met nothing, its others in order as one task. A layout's next step is queued
 as soon as its last one came back, never waiting for another layout (a barrier between
 phases left a process idle behind the slowest task of each phase); waiting work goes
 out in the order: first candidates (deep pipelines first), whole layouts, single probes.
@@ -20,14 +21,14 @@ import itertools
 import multiprocessing
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from typing import Callable
+from typing import Callable, Iterable
 
 from tqdm import tqdm
 
 from pp_runtime.config import Config
 from pp_runtime.plan.probe import Slo
-from pp_runtime.plan.search import (PASSED, Result, Workload, is_weak, ordered, search_candidate,
-                                    search_in_order)
+from pp_runtime.plan.search import (PASSED, Result, Workload, by_layout, order_group,
+                                    ordered, search_candidate, search_in_order)
 from pp_runtime.plan.space import Candidate
 
 FIRST, LAYOUT, SINGLE = 0, 1, 2  # the order waiting work goes out in
@@ -64,6 +65,7 @@ class Runner:
         self.args, self.bar, self.simulated, self.asked = (slo, stop_early, cache_dir), bar, 0, 0
         self.queue: list = []
         self.order = itertools.count()
+        self.running: dict = {}  # future -> what to do with its result
 
     def __call__(self, tasks: list[tuple[Result, Config, int | None]], climb: bool = True) -> None:
         """Each (result, config, best) searched (`search_candidate`), as a batch."""
@@ -72,12 +74,16 @@ class Runner:
                        lambda got, res=res: self._one(res, got))
         self._drain()
 
-    def fast(self, groups: list[list[tuple[Result, Config]]]) -> None:
-        """The fast path's steps for every layout (module docstring; `search.fast_phases`)."""
-        for g in sorted(groups, key=lambda g: -g[0][1].parallel.pp):
+    def fast(self, groups: Iterable[list[tuple[Result, Config]]]) -> None:
+        """The fast path's steps for every layout (module docstring; `search.fast_phases`).
+        groups: each layout's candidates in search order, deep pipelines first; each one's
+        first candidate goes to the processes as soon as its group comes (the next
+        groups are ordered, their bounds computed, while the processes search)."""
+        for g in groups:
             res, cfg = g[0]
             self._push(FIRST, search_candidate, (res, cfg, *self.args, None, True),
                        lambda got, g=g: self._first(g, got))
+            self._feed()
         self._drain()
 
     def _first(self, g: list[tuple[Result, Config]], got) -> None:
@@ -85,8 +91,8 @@ class Runner:
         self._one(first, got)
         if not rest:
             return
-        if is_weak(first):
-            self._push(LAYOUT, search_in_order, (first.k, list(rest), *self.args, True),
+        if first.k is None:  # met nothing: its others in order, from their own start
+            self._push(LAYOUT, search_in_order, (None, list(rest), *self.args, True),
                        lambda out: self._many(rest, out))
             return
         left = [len(rest)]
@@ -121,17 +127,22 @@ class Runner:
     def _push(self, kind: int, fn: Callable, args: tuple, done: Callable) -> None:
         heapq.heappush(self.queue, (kind, next(self.order), fn, args, done))
 
+    def _feed(self) -> None:
+        """Hand queued tasks to the pool until jobs + 1 are in it (`self.running`)."""
+        running = self.running
+        while self.queue and len(running) <= self.jobs:
+            _, _, fn, args, done = heapq.heappop(self.queue)
+            if time.monotonic() > self.deadline:
+                done(_expired(fn, args))
+                continue
+            running[self.pool.submit(fn, *args)] = done
+
     def _drain(self) -> None:
         """Run the queue, and what each finished task queues, until both are empty; one
         task waits in the pool beside the running ones (no process idles between)."""
-        running: dict = {}
+        running = self.running
         while self.queue or running:
-            while self.queue and len(running) <= self.jobs:
-                _, _, fn, args, done = heapq.heappop(self.queue)
-                if time.monotonic() > self.deadline:
-                    done(_expired(fn, args))
-                    continue
-                running[self.pool.submit(fn, *args)] = done
+            self._feed()
             if not self.queue and len(running) < self.jobs:
                 _report_modules()  # a process is free until the end: the report's imports now
             if running:
@@ -178,27 +189,38 @@ def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: 
     bar = tqdm(total=len(items), unit="deployment", desc="plan", disable=not progress, leave=False)
     run = Runner(jobs, budget_s, slo, stop_early, cache_dir, bar)
     try:
-        groups = ordered(items, wl, slo)
-        results = [r for g in groups for r, _ in g]
         if not fast:
+            groups = ordered(items, wl, slo)
             run([(res, cfg, None) for res, cfg in sorted(
                 (rc for g in groups for rc in g), key=lambda rc: -rc[1].parallel.pp)])
-        else:
-            fast_phases(run, groups)
+        else:  # each layout ordered (its bounds) as the processes take the first ones
+            raw = by_layout(items)
+            groups = [[] for _ in raw]
+
+            def deep_first():
+                for i in sorted(range(len(raw)), key=lambda i: -raw[i][0][0].layout.pp):
+                    groups[i] = order_group(raw[i], wl, slo)
+                    yield groups[i]
+
+            fast_phases(run, deep_first())
+        results = [r for g in groups for r, _ in g]
     finally:
         run.close()
         bar.close()
     return results, (run.simulated, run.asked)
 
 
-def fast_phases(run, groups: list[list[tuple[Result, Config]]]) -> None:
+def fast_phases(run, groups: Iterable[list[tuple[Result, Config]]]) -> None:
     """The fast path: (1) every layout's first candidate to its capacity; (2) every other
     one against its layout's best, one probe at most; (3) each one that passed, searched
     to its capacity from its own start as the exhaustive path does (its probe of (2) may
     come back from the cache): every candidate searched gets the exhaustive path's
     capacity, and the others missed above the layout's best.
-    A layout whose first candidate came out below WEAK x its bound (or met nothing) skips
-    (2): its others one after the other from their own start (`search_candidate`'s
-    high). Each layout's next phase starts as soon as its last one ended
+    A layout whose first candidate met nothing skips (2): its others one after the other
+    from their own start (`search_in_order`). A weak first candidate (far below its bound)
+    takes (2) as any other: each of its others that is lost costs its one miss at best + 1,
+    which the search from its own start down to best + 1 it once had also probes, after
+    misses above it (issue 39, sixth pass). Each layout's next phase starts as soon as its
+    last one ended
     (`runner.Runner.fast`), so the processes never wait for another layout."""
     run.fast(groups)

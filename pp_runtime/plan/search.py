@@ -17,9 +17,9 @@ in that order on a tie, so the answer does not depend on which process finishes 
               the layout's best"), else searched to its capacity from its own start, as
               the exhaustive path searches it (a pass at k + 1 that a search from above
               would not have found, where pass or miss is not monotone in the rate, does
-              not make the answer differ); a weak layout (its first
-              below WEAK x its bound) has its others searched in order from their own
-              start instead (`fast_phases`; the processes: `runner.py`).
+              not make the answer differ); a layout whose first met nothing has its
+              others searched in order from their own start instead (`fast_phases`;
+              the processes: `runner.py`).
 On both, a probe that cannot meet the SLOs any more stops early (`probe.Watch`; exact, off
 with stop_early False), and every answer is cached (`probe.ProbeCache`): a second
 identical search simulates nothing.
@@ -48,7 +48,6 @@ NARROW = 3  # a bracket this narrow is searched from its top down: a miss just a
 FLOOR = 1e-4  # no capacity searched below this share of the bound
 NEAR = 0.85  # a miss certain only after this share of its arrivals' time hints one point lower
 NEAR_STEPS = 3  # such hints followed one point at a time, at most this many in a row
-WEAK = 0.4  # fast path: a layout's first candidate below this share of its bound is weak
 LOST = "lost at the layout's best"
 PASSED = "passed the layout's best"  # fast path, between its phases
 __all__ = ["Slo", "Result", "search", "upper_bound", "LOST", "REL_TOL"]
@@ -251,10 +250,6 @@ def miss_hint(k: int, detail: dict, gpus: int) -> int | None:
     return grid_index(per_gpu) if per_gpu > 0 else None
 
 
-def is_weak(first: Result) -> bool:
-    return first.k is None or rate(first.k) < WEAK * first.bound_qps / first.candidate.layout.gpus
-
-
 def search_in_order(best: int | None, items: list[tuple[Result, Config]], slo: Slo,
                     stop_early: bool, cache_dir: str | None,
                     high: bool = False) -> tuple[list[Result], tuple[int, int]]:
@@ -272,19 +267,30 @@ def search_in_order(best: int | None, items: list[tuple[Result, Config]], slo: S
 
 def ordered(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo
             ) -> list[list[tuple[Result, Config]]]:
-    """Candidates grouped by layout, each group in search order: the SLO-driven uniform
-    first, then the highest bound per GPU (discounted where a rough TBT, `likely_tbt_s`,
-    is over the SLO); `Result.order` is the place in it (ties go to the earlier)."""
-    by_layout: dict[Layout, list[tuple[tuple, Result, Config]]] = {}
+    """Candidates grouped by layout, each group in search order (`order_group`)."""
+    return [order_group(group, wl, slo) for group in by_layout(items)]
+
+
+def by_layout(items: list[tuple[Candidate, Config]]) -> list[list[tuple[Candidate, Config]]]:
+    """Candidates grouped by layout, the layouts and each one's candidates in the space's order."""
+    groups: dict[Layout, list[tuple[Candidate, Config]]] = {}
     for cand, cfg in items:
+        groups.setdefault(cand.layout, []).append((cand, cfg))
+    return list(groups.values())
+
+
+def order_group(group: list[tuple[Candidate, Config]], wl: Workload, slo: Slo
+                ) -> list[tuple[Result, Config]]:
+    """One layout's candidates in search order: the SLO-driven uniform first, then the
+    highest bound per GPU (discounted where a rough TBT, `likely_tbt_s`, is over the SLO);
+    `Result.order` is the place in it (ties go to the earlier)."""
+    keyed = []
+    for cand, cfg in group:
         res = Result(cand, upper_bound(cfg, wl, cand.layout.replicas))
         per_gpu = res.bound_qps / cand.layout.gpus
         key = (cand.slo_ms is None, -per_gpu * min(1.0, slo.tbt_s / likely_tbt_s(cfg, wl.tokens)))
-        by_layout.setdefault(cand.layout, []).append((key, res, cfg))
-    groups = []
-    for group in by_layout.values():
-        group.sort(key=lambda x: x[0])  # stable: equal keys keep the space's order
-        for i, (_, res, _) in enumerate(group):
-            res.order = i
-        groups.append([(res, cfg) for _, res, cfg in group])
-    return groups
+        keyed.append((key, res, cfg))
+    keyed.sort(key=lambda x: x[0])  # stable: equal keys keep the space's order
+    for i, (_, res, _) in enumerate(keyed):
+        res.order = i
+    return [(res, cfg) for _, res, cfg in keyed]

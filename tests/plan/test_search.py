@@ -284,3 +284,98 @@ def test_workers_started_early_are_released_when_no_search_takes_them():
     pool = runner._STARTED[1]
     runner.release()
     assert not runner._STARTED and pool._shutdown_thread
+
+
+def _table_search(monkeypatch, tables: dict, bound: float, runs: list):
+    """The fast path on hand-written pass/miss tables (candidate -> ok(k)) in this process;
+    runs gets each simulated (candidate, k)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import pp_runtime.plan.search as search
+    from pp_runtime.bench.capacity import Probe
+    from pp_runtime.plan.runner import Runner, fast_phases
+
+    class Prober:
+        def __init__(self, cfg, *args):
+            self.cfg = cfg
+
+        def __call__(self, k):
+            runs.append((self.cfg.name, k))
+            return Probe(rate(k), 0.1, 1.0, self.cfg.ok(k), {"k": k})
+
+    class Pool:
+        def submit(self, fn, *args):
+            done = Future()
+            done.set_result(fn(*args))
+            return done
+
+        def shutdown(self, **kw):
+            pass
+
+    monkeypatch.setattr(search, "Prober", Prober)
+    run = Runner(1, 60, Slo(1.0, 1.0), True, None, SimpleNamespace(update=lambda n: None))
+    run.pool.shutdown()
+    run.pool = Pool()
+    cfgs = {c: SimpleNamespace(parallel=SimpleNamespace(tp=1, pp=1), ok=ok, name=c.name)
+            for c, ok in tables.items()}
+    results = [Result(c, bound, i) for i, c in enumerate(tables)]
+    fast_phases(run, iter([[(r, cfgs[r.candidate]) for r in results]]))
+    fast_runs = list(runs)
+    exhaustive = [search.search_candidate(Result(c, bound, i), cfgs[c], Slo(1.0, 1.0), True,
+                                          None, None)[0] for i, c in enumerate(tables)]
+    runs[:] = fast_runs  # the fast path's probes only
+    return results, exhaustive
+
+
+def test_a_weak_layout_s_lost_candidates_cost_one_probe_each(monkeypatch):
+    """A first candidate far below its bound (the SLO-driven uniform on GPT-3's tp2 x pp3 x
+    10: 0.007 of 0.17 req/s/GPU) is not searched around: each other candidate is probed
+    once, at the layout's best + 1, and one that passes is searched from its own start as
+    the exhaustive path searches it; the layout's best is the exhaustive path's."""
+    lay = Layout(1, 1, 1)
+    first, better, lost1, lost2 = (Candidate(lay, "uniform", c, 8, 1, "even") for c in (128, 256, 512, 1024))
+    tables = {first: lambda k: k <= -60, better: lambda k: k <= -55,
+              lost1: lambda k: k <= -70, lost2: lambda k: k <= -61}
+    runs: list = []
+    results, exhaustive = _table_search(monkeypatch, tables, rate(0) / 0.95, runs)
+    assert results[0].k == -60 and results[1].k == exhaustive[1].k == -55
+    best = max(results, key=lambda r: (r.k or -999, -r.order))
+    assert best.candidate == max(exhaustive, key=lambda r: (r.k or -999, -r.order)).candidate
+    for lost in (lost1, lost2):  # one miss each, at the first's capacity + 1
+        assert [k for name, k in runs if name == lost.name] == [-59]
+        assert next(r for r in results if r.candidate == lost).outcome == "lost at the layout's best"
+
+
+def test_the_probe_recorder_counts_the_slow_gaps_the_watch_reads():
+    """ProbeRecorder counts the times between tokens above the TBT SLO as it records them
+    (`probe.Watch` reads the count), the same count as over the recorded gaps; and the
+    Watch's deadlines from the arrivals stop where the requests' own would."""
+    from dataclasses import replace
+    from functools import partial
+
+    from pp_runtime.config import Config, load_model_config
+    from pp_runtime.core.workload import WorkloadConfig, generate
+    from pp_runtime.engine.simulate import simulate
+    from pp_runtime.plan.probe import ClearMiss
+    from pp_runtime.plan.record import ProbeRecorder
+
+    cfg = replace(Config(model=load_model_config("gpt2-small")).with_overrides(
+        **{"pp": 2, "planner.chunk_size": 256}),
+        workload=WorkloadConfig(kind="zipf", num_requests=60, qps=40.0, min_len=128,
+                                max_len=1024, pd_ratio=8))
+    gaps = sorted(simulate(cfg, progress=False, recorder=ProbeRecorder).replicas[0].token_gaps_s)
+    slo = gaps[len(gaps) // 2]  # half of them slow
+    run = simulate(cfg, progress=False, recorder=partial(ProbeRecorder, slow_above=slo))
+    rec = run.replicas[0]
+    assert rec.slow == sum(g > slo for g in rec.token_gaps_s) > 0
+    assert rec.tokens_done == rec.prefill_ran + len(rec.token_gaps_s)  # prompts + decodes
+    specs = generate(cfg.workload)
+    stops = []
+    for arrivals in (None, [s.arrival_s for s in specs]):
+        w = Watch(Slo(ttft_s=gaps[0], tbt_s=10.0), len(specs), sum(s.output_len for s in specs),
+                  arrivals=arrivals)
+        with pytest.raises(ClearMiss) as miss:
+            simulate(cfg, progress=False, watch=w, recorder=ProbeRecorder)
+        stops.append((str(miss.value), w.next, w.late))
+    assert stops[0] == stops[1]
