@@ -95,21 +95,44 @@ class Runner:
             self._push(LAYOUT, search_in_order, (None, list(rest), *self.args, True),
                        lambda out: self._many(rest, out))
             return
-        left = [len(rest)]
-        for res, cfg in rest:
-            self._push(SINGLE, search_candidate, (res, cfg, *self.args, first.k, False),
-                       lambda out, res=res: self._second(first, rest, res, out, left))
+        lead, follow = split_lead(rest)
+        self._against(first.k, lead, (lambda best: self._against(best, follow, None)) if follow else None)
 
-    def _second(self, first: Result, rest, res: Result, got, left: list[int]) -> None:
+    def _against(self, best: int, items: list[tuple[Result, Config]],
+                 then: Callable[[int], None] | None) -> None:
+        """Each of items probed at best + 1 (out by its bound first), each one that passed
+        searched to its capacity from its own start, as the exhaustive path does; then
+        then(the highest of best and their capacities)."""
+        if not items:
+            if then:
+                then(best)
+            return
+        left = [len(items)]
+        for res, cfg in items:
+            self._push(SINGLE, search_candidate, (res, cfg, *self.args, best, False),
+                       lambda out, res=res: self._second(best, items, res, out, left, then))
+
+    def _second(self, best: int, items, res: Result, got, left: list[int], then) -> None:
         self._one(res, got, count=got[0].outcome != PASSED)
         left[0] -= 1
         if left[0]:
             return
-        for slot, cfg in rest:  # passed k + 1: searched to its capacity as the exhaustive
-            if slot.outcome == PASSED:  # path does (its probe at k + 1 comes from the cache)
-                fresh = Result(slot.candidate, slot.bound_qps, slot.order)
-                self._push(SINGLE, search_candidate, (fresh, cfg, *self.args, None, True),
-                           lambda out, slot=slot: self._one(slot, out))
+        passed = [(slot, cfg) for slot, cfg in items if slot.outcome == PASSED]
+        if not passed:
+            if then:
+                then(best)
+            return
+        more = [len(passed)]
+        for slot, cfg in passed:  # passed best + 1: searched to its capacity as the exhaustive
+            fresh = Result(slot.candidate, slot.bound_qps, slot.order)  # path does (its probe
+            self._push(SINGLE, search_candidate, (fresh, cfg, *self.args, None, True),  # at best
+                       lambda out, slot=slot: self._third(best, items, slot, out, more, then))  # + 1: cached
+
+    def _third(self, best: int, items, slot: Result, got, more: list[int], then) -> None:
+        self._one(slot, got)
+        more[0] -= 1
+        if not more[0] and then:
+            then(max([best] + [r.k for r, _ in items if r.outcome == "searched" and r.k is not None]))
 
     def _one(self, slot: Result, got, count: bool = True) -> None:
         new, (n, m) = got
@@ -208,6 +231,20 @@ def search(items: list[tuple[Candidate, Config]], wl: Workload, slo: Slo, jobs: 
         run.close()
         bar.close()
     return results, (run.simulated, run.asked)
+
+
+def split_lead(rest: list[tuple[Result, Config]]
+               ) -> tuple[list[tuple[Result, Config]], list[tuple[Result, Config]]]:
+    """A layout's candidates after its first, in two steps: the other SLO-driven ones
+    (the leaders, searched against the first's capacity), then the rest (against the
+    highest capacity of the first and the leaders). The rest come after every leader in
+    the layout's order (`search.order_group`), so a tie goes to the leader: they must
+    beat it. Where the order is not so, one step (all against the first's)."""
+    lead = [rc for rc in rest if rc[0].candidate.slo_ms is not None]
+    follow = [rc for rc in rest if rc[0].candidate.slo_ms is None]
+    if lead and follow and max(r.order for r, _ in lead) > min(r.order for r, _ in follow):
+        return rest, []
+    return (lead, follow) if lead else (follow, [])
 
 
 def fast_phases(run, groups: Iterable[list[tuple[Result, Config]]]) -> None:

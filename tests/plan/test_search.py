@@ -379,3 +379,25 @@ def test_the_probe_recorder_counts_the_slow_gaps_the_watch_reads():
             simulate(cfg, progress=False, watch=w, recorder=ProbeRecorder)
         stops.append((str(miss.value), w.next, w.late))
     assert stops[0] == stops[1]
+
+
+def test_the_rest_are_probed_above_the_best_the_slo_driven_ones_found(monkeypatch):
+    """The SLO-driven candidates after the first are searched first; the rest (which come
+    after them in the layout's order) are probed once at the highest capacity found + 1:
+    one that only beats the first is lost without a search, one that ties the leader is
+    lost (the earlier wins a tie, as on the exhaustive path), one that beats it is
+    searched to the exhaustive path's capacity."""
+    lay = Layout(1, 1, 1)
+    first, leader = (Candidate(lay, "uniform", None, None, d, "even", (200, 5000)) for d in (1, 2))
+    beats_first, ties, wins = (Candidate(lay, "uniform", c, 8, 1, "even") for c in (128, 256, 512))
+    tables = {first: lambda k: k <= -20, leader: lambda k: k <= -15,
+              beats_first: lambda k: k <= -17, ties: lambda k: k <= -15, wins: lambda k: k <= -12}
+    runs: list = []
+    results, exhaustive = _table_search(monkeypatch, tables, rate(0) / 0.95, runs)
+    assert [r.k for r in results] == [-20, -15, None, None, -12]
+    assert results[4].k == exhaustive[4].k
+    for cand in (beats_first, ties):  # one probe, above the leader's capacity
+        assert [k for name, k in runs if name == cand.name] == [-14]
+    best = max(results, key=lambda r: (r.k if r.k is not None else -999, -r.order))
+    assert best.candidate == max(exhaustive, key=lambda r: (r.k if r.k is not None else -999,
+                                                             -r.order)).candidate == wins
