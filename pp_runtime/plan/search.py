@@ -32,8 +32,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tqdm import tqdm
-
 from pp_runtime.bench.capacity import Probe
 from pp_runtime.config import Config, ConfigError
 from pp_runtime.plan.probe import ProbeCache, Prober, Slo, grid_index, rate
@@ -50,7 +48,7 @@ NEAR = 0.85  # a miss certain only after this share of its arrivals' time hints 
 NEAR_STEPS = 3  # such hints followed one point at a time, at most this many in a row
 LOST = "lost at the layout's best"
 PASSED = "passed the layout's best"  # fast path, between its phases
-__all__ = ["Slo", "Result", "search", "upper_bound", "LOST", "REL_TOL"]
+__all__ = ["Slo", "Result", "upper_bound", "LOST", "REL_TOL"]  # search(): plan/runner.py
 
 
 @dataclass
