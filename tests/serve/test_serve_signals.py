@@ -113,7 +113,10 @@ def test_an_idle_actor_that_dies_is_found_by_the_probe_and_replaced_and_a_group_
     t0, seen = time.monotonic(), []
     while (health := srv.health())[1].get("recoveries", 0) < 1:  # found, then replaced
         seen.append(health[1]["status"])
-        assert time.monotonic() - t0 < 30, f"/health still {health} 30 s after the death"
+        # found and replaced, not hung: alone 36-42 s for the whole test (one core busy
+        # beside it or not), but with the suite's other worker starting servers beside it
+        # the replacement's start took past 30 s (75 s for the test, 2026-11-27)
+        assert time.monotonic() - t0 < 90, f"/health still {health} 90 s after the death"
         time.sleep(0.1)
     assert health[0] == 200 and health[1]["status"] == "ok", health
     assert "recovering" in seen, seen  # 503 meanwhile
