@@ -2,6 +2,8 @@
 same grid point from any start (what makes the fast and the exhaustive path agree), the
 early stop never stops a probe the full run would pass, and the Pareto set of a hand-made
 set of layout points."""
+from concurrent.futures import Future
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,18 @@ from pp_runtime.plan.frontier import pareto
 from pp_runtime.plan.probe import STEP, Slo, Watch, _need, grid_index, rate
 from pp_runtime.plan.search import Result, grid_capacity
 from pp_runtime.plan.space import Candidate, Layout
+
+
+class InProcessPool:
+    """The runner's worker processes, run in this one (each task done at submit)."""
+
+    def submit(self, fn, *args):
+        done = Future()
+        done.set_result(fn(*args))
+        return done
+
+    def shutdown(self, **kw):
+        pass
 
 
 @pytest.mark.parametrize("start", [-40, -12, -3, 0, 5, 30])
@@ -178,7 +192,6 @@ def test_a_lucky_pass_above_the_layout_s_best_gets_the_exhaustive_capacity(monke
     draw of each rate's arrivals). A candidate that passes its layout's best + 1 by such a
     flip is searched from its own start, as the exhaustive path does: the same capacity,
     so both paths name the same best for the layout."""
-    from concurrent.futures import Future
     from types import SimpleNamespace
 
     import pp_runtime.plan.search as search
@@ -198,20 +211,11 @@ def test_a_lucky_pass_above_the_layout_s_best_gets_the_exhaustive_capacity(monke
         def __call__(self, k):
             return Probe(rate(k), 0.1, 1.0, self.ok(k), {"k": k})
 
-    class Pool:  # the worker processes, run in this one
-        def submit(self, fn, *args):
-            done = Future()
-            done.set_result(fn(*args))
-            return done
-
-        def shutdown(self, **kw):
-            pass
-
     monkeypatch.setattr(search, "Prober", Prober)
     bound = rate(0) / 0.95  # start at grid point -1, top 0
     run = Runner(1, 60, Slo(1.0, 1.0), True, None, SimpleNamespace(update=lambda n: None))
     run.pool.shutdown()
-    run.pool = Pool()
+    run.pool = InProcessPool()
     results = [Result(first, bound, 0), Result(lucky, bound, 1)]
     fast_phases(run, [[(r, cfg[r.candidate]) for r in results]])
     alone, _ = search.search_candidate(Result(lucky, bound, 1), cfg[lucky], Slo(1.0, 1.0), True,
@@ -289,7 +293,6 @@ def test_workers_started_early_are_released_when_no_search_takes_them():
 def _table_search(monkeypatch, tables: dict, bound: float, runs: list):
     """The fast path on hand-written pass/miss tables (candidate -> ok(k)) in this process;
     runs gets each simulated (candidate, k)."""
-    from concurrent.futures import Future
     from types import SimpleNamespace
 
     import pp_runtime.plan.search as search
@@ -304,19 +307,10 @@ def _table_search(monkeypatch, tables: dict, bound: float, runs: list):
             runs.append((self.cfg.name, k))
             return Probe(rate(k), 0.1, 1.0, self.cfg.ok(k), {"k": k})
 
-    class Pool:
-        def submit(self, fn, *args):
-            done = Future()
-            done.set_result(fn(*args))
-            return done
-
-        def shutdown(self, **kw):
-            pass
-
     monkeypatch.setattr(search, "Prober", Prober)
     run = Runner(1, 60, Slo(1.0, 1.0), True, None, SimpleNamespace(update=lambda n: None))
     run.pool.shutdown()
-    run.pool = Pool()
+    run.pool = InProcessPool()
     cfgs = {c: SimpleNamespace(parallel=SimpleNamespace(tp=1, pp=1), ok=ok, name=c.name)
             for c, ok in tables.items()}
     results = [Result(c, bound, i) for i, c in enumerate(tables)]
