@@ -54,8 +54,9 @@ def add_parser(sub) -> None:
                    help="run the first N frontier points (default 2; the winner first) and a "
                         "reference config for real on this machine's CPU pipeline: predicted / "
                         "measured capacity per point (small models, pp <= 2)")
-    p.add_argument("--validate-requests", type=positive_int, default=32,
-                   help="requests per real probe in --validate (default 32)")
+    p.add_argument("--validate-requests", type=positive_int, default=100,
+                   help="requests per real probe in --validate (default 100: with fewer, which "
+                        "requests are drawn moves a capacity more than the cost model errs)")
     p.add_argument("--reference", default="cpu/gpt2_pp2", help="--validate also measures this config")
     p.add_argument("--exhaustive", action="store_true",
                    help="search every candidate to its capacity (slow; the fast default gives "

@@ -32,9 +32,11 @@ def test_validate_serves_the_choice_and_the_reference_for_real(tmp_path):
     assert (tmp_path / "profile" / "calibration.json").is_file()
     table = done.stdout.split("pred/meas")[1].strip().splitlines()
     assert table[0].startswith("#1 tp1 ") and table[1].startswith("reference cpu/gpt2_pp2"), done.stdout
-    for row in table[:2]:
-        predicted, measured = (float(x) for x in row.split()[-3:-1])
-        assert predicted > 0 and measured > 0, row
+    for row in table[:2]:  # ... predicted lo-hi measured pred/meas within|below|above the draws
+        predicted, draws, measured, _ = row.split()[-7:-3]
+        lo, hi = (float(x) for x in draws.split("-"))
+        assert 0 < lo <= float(predicted) <= hi and float(measured) > 0, row
+        assert row.endswith(" the draws"), row
     assert "the plan's choice / the reference, measured:" in done.stdout
     assert (tmp_path / "plan" / "validate-1.yaml").is_file()
     assert (tmp_path / "plan" / "validate-reference.yaml").is_file()
