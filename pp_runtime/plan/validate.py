@@ -10,9 +10,9 @@ starting at the rate the simulator predicts for the same requests.
 
 A capacity measured on one draw of requests is itself a sample: p99 over a probe's few
 dozen requests is nearly its slowest request's, so the draw moves it more than the cost
-model's error does (GPT-2 small's pipeline on this machine, simulated alone: 0.54-1.49
-req/s over ten draws of 32 requests a probe, 0.92-1.17 over eight of 100;
-docs/plan.md). So the prediction is the simulator's capacity over DRAWS draws (other
+model's error does (GPT-2 small's pipeline on this machine, simulated alone: 0.68-1.35
+req/s over eight draws of 32 requests a probe, 0.79-1.23 of 100, 0.75-1.17 of 200;
+`benchmarks/validate_draws.py`). So the prediction is the simulator's capacity over DRAWS draws (other
 seeds of the same workload): their mean is the predicted capacity, their range what one
 real measurement may land on with a perfect cost model.
 Printed: predicted (the draws' mean and range) and measured capacity side by side, their
