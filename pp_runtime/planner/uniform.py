@@ -370,27 +370,26 @@ class UniformPlanner(BasePlanner):
             start = self.tokens_back(now, [src for _, src in mb.placeholders])
             self.clock.commit(mb.mb_id, self.clock.completion(start, scaled, tokens))
             if self.budget.tbt_slo_s is not None:
-                bring, mb_id = self.bring, mb.mb_id
-                for s in mb.seqs:
-                    if s.sampling is not None:
-                        bring(s.request_id, mb_id)
+                self.bring(mb)
         return mb
 
-    def bring(self, rid: int, mb_id: int) -> None:
-        """Request `rid`'s next token is on its way in micro-batch `mb_id`."""
-        self.brought(rid)
-        self.returning[rid] = mb_id
-        self.carrying[mb_id] = self.carrying.get(mb_id, 0) + 1
-
-    def brought(self, rid: int) -> None:
-        """Request `rid`'s token came back (or none was on its way)."""
-        mb_id = self.returning.pop(rid, None)
-        if mb_id is not None:
-            left = self.carrying[mb_id] - 1
-            if left:
-                self.carrying[mb_id] = left
-            else:
-                del self.carrying[mb_id]
+    def bring(self, mb: MicroBatch) -> None:
+        """The next token of each request that samples in `mb` is on its way in it (the
+        one it was waiting for before, if any, came back or was dropped)."""
+        returning, carrying, mb_id = self.returning, self.carrying, mb.mb_id
+        for s in mb.seqs:
+            if s.sampling is None:
+                continue
+            rid = s.request_id
+            before = returning.pop(rid, None)
+            if before is not None:
+                left = carrying[before] - 1
+                if left:
+                    carrying[before] = left
+                else:
+                    del carrying[before]
+            returning[rid] = mb_id
+            carrying[mb_id] = carrying.get(mb_id, 0) + 1
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         predicted = self.predicted.pop(mb.mb_id, 0.0)
