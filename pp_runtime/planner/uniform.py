@@ -94,6 +94,8 @@ class UniformPlanner(BasePlanner):
         self.returning: dict[int, int] = {}  # request id -> mb_id bringing its next token
         self.carrying: dict[int, int] = {}  # mb_id -> requests in `returning` it brings
         self.urgent = 0  # prompt tokens this micro-batch needs for the queue's TTFT target
+        self.row_s: dict[tuple[int, int, int], float] = {}  # `row_cap`'s (decodes, KV
+        #                   length, prompt tokens) -> the cost model's seconds, priced once
         batch = not self.bounded and pl.ttft_slo_ms is None  # no target: for the makespan
         self.order = (SlackOrder(self.waiting, self.rounds, self.depth * self.budget.knee_s)
                       if batch else None)  # arrived requests longest first (planner/order.py)
@@ -194,9 +196,15 @@ class UniformPlanner(BasePlanner):
         share = lambda d: min(self.top, math.ceil(d * mix))  # noqa: E731
         same = getattr(b.cost, "with_chunk_decodes", None)
         if same is not None and same((), 1, kv) is not None:  # the same seconds, no lists
+            seconds = self.row_s  # the same micro-batches come back call after call
+
             def fits(d: int) -> bool:
-                first, mid, last = same((), d, kv)(0, share(d))  # b.time's stages
-                return (max(first, last) if mid is None else max(first, mid, last)) <= period
+                n = share(d)
+                t = seconds.get((d, kv, n))
+                if t is None:
+                    first, mid, last = same((), d, kv)(0, n)  # b.time's stages
+                    t = seconds[d, kv, n] = max(first, last) if mid is None else max(first, mid, last)
+                return t <= period
         else:
             def fits(d: int) -> bool:
                 return b.time([(0, share(d))], [kv] * d) <= period
