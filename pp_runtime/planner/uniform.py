@@ -210,15 +210,15 @@ class UniformPlanner(BasePlanner):
                 return b.time([(0, share(d))], [kv] * d) <= period
         return max(1, b.largest(fits, 4096)) * self.depth
 
-    def prefill_need(self, now: float) -> int:
+    def prefill_need(self, now: float, left: int) -> int:
         """Prompt tokens per micro-batch that bring the first waiting requests to their
-        first token within the TTFT target (0 without one)."""
+        first token within the TTFT target (0 without one), beside the `left` prompt
+        tokens the running requests have yet to schedule."""
         b = self.budget
         if b.ttft_slo_s is None:
             return 0
         per_mb = b.base_s  # seconds of one micro-batch
-        tokens = sum(r.prefill_len - r.num_scheduled for r in self.running
-                     if r.num_scheduled < r.prefill_len)
+        tokens = left
         need = 0.0
         for i, r in enumerate(self.waiting):
             if i == QUEUE_LOOKAHEAD or r.arrival_s > now:
@@ -248,8 +248,9 @@ class UniformPlanner(BasePlanner):
         bound = self.round_bound(now, [r.request_id for r in ready])
         if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
             even = max(self.min_chunk, -(-left // self.depth))
-            self.urgent = self.prefill_need(now)
-            start = self.tokens_back(now, [self.returning.get(s.request_id) for s in seqs])
+            self.urgent = self.prefill_need(now, left)  # compose's pass counted them
+            start = (self.tokens_back(now, [self.returning.get(s.request_id) for s in seqs])
+                     if self.ahead else now)  # (`tokens_back`'s answer when not ahead)
             seqs += self.fill(start, kv, prefilling, bound, even)
         return seqs
 
