@@ -97,6 +97,20 @@ class MicroBatch:
         return sum(1 for s in self.seqs if s.is_decode)
 
 
+def micro_batch(mb_id: int, seqs: tuple[SeqChunk, ...],
+                placeholders: tuple[tuple[int, int], ...] = ()) -> MicroBatch:
+    """`MicroBatch(mb_id, seqs, placeholders=placeholders)`, the same object, without the
+    frozen dataclass's `object.__setattr__` calls (the planners make one per micro-batch:
+    10^6 in a plan's search; tests/core/test_batch_fast.py checks them equal)."""
+    mb = _new(MicroBatch)
+    d = mb.__dict__
+    d["mb_id"] = mb_id
+    d["seqs"] = seqs
+    d["idle_before_s"] = 0.0
+    d["placeholders"] = placeholders
+    return mb
+
+
 PLACEHOLDER = -1  # a decode's input id not known when it was planned (MicroBatch.placeholders)
 
 
@@ -129,6 +143,19 @@ class SampledTokens:
     mb_id: int
     tokens: dict[int, int] = field(default_factory=dict)  # request id -> sampled token id
     timings: tuple["StageTiming", ...] = ()  # one per stage (and TP rank) that ran it
+
+
+def sampled_tokens(mb_id: int, tokens: dict[int, int],
+                   timings: tuple["StageTiming", ...]) -> SampledTokens:
+    """`SampledTokens(mb_id, tokens, timings)`, the same object, without the frozen
+    dataclass's `object.__setattr__` calls (the simulated executor makes one per
+    micro-batch; tests/core/test_batch_fast.py checks them equal)."""
+    out = _new(SampledTokens)
+    d = out.__dict__
+    d["mb_id"] = mb_id
+    d["tokens"] = tokens
+    d["timings"] = timings
+    return out
 
 
 @dataclass(slots=True)  # slots: a simulated run keeps ~10^6 of them

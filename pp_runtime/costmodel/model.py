@@ -107,6 +107,7 @@ class StageCostModel:
         self.node = [s * tp // cfg.hardware.gpus_per_node for s in range(pp)]
         self._prefill = pricing.attention.prefill  # (start, n) -> s per layer
         self._decode = pricing.attention.decode  # (count, sum_kv) -> s per layer
+        self._chunkable = self.chunkable()  # `with_chunk` applies
         self._size = 0
         self._kept: tuple | None = None  # (prefills, decode KV lengths, stage times): `keep_stage_times`
         longest = max(cfg.seq_len, cfg.chunk_tokens, cfg.planner.token_budget or 0)
@@ -191,10 +192,9 @@ class StageCostModel:
             return None
         return self._with_chunk(prefills, count, kv_len * count)
 
-    @property
-    def _chunkable(self) -> bool:
+    def chunkable(self) -> bool:
         """No layer cut in two, and the middle stages (between the first and the last)
-        all of the same layers."""
+        all of the same layers (kept as `_chunkable` at the start: none of them changes)."""
         f = self.stage_f
         return (self.halves is None and len(set(self.layers[1:-1])) <= 1
                 and (f is None or len(set(f[1:-1])) <= 1))

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from pp_runtime.core.batch import MicroBatch, SampledTokens, StageTiming
+from pp_runtime.core.batch import MicroBatch, SampledTokens, StageTiming, sampled_tokens
 
 
 class StageCost(Protocol):
@@ -127,7 +127,7 @@ class SimExecutor:
             done = posted if posted > done else done
             received[stage] = start
             add(StageTiming(mb_id, stage, 0, wait, transfer, start, end, block))
-        self._done[mb_id] = (done + self.ret, SampledTokens(mb_id, sampled, tuple(timings)))
+        self._done[mb_id] = (done + self.ret, sampled_tokens(mb_id, sampled, tuple(timings)))
         if self.token_hop:
             self._tokens_at[mb_id] = end + self.hop  # end: the last stage's
             self._tokens_at.pop(mb_id - 8 * len(costs), None)  # long past any placeholder's reach

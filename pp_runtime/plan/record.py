@@ -35,11 +35,11 @@ class ProbeRecorder(RunRecorder):
             if s.is_decode:
                 decodes += 1
             else:
-                prefill += s.num_tokens
+                prefill += len(s.token_ids)  # s.num_tokens
         self.prefill_ran += prefill
         self.last_tokens = prefill + decodes
         self.tokens_done += prefill + decodes
-        stages, idle = self.stages, mb.idle_before_s
+        stages, idle_before_s = self.stages, mb.idle_before_s
         for t in out.timings:  # bubbles.add_microbatch, without what it yields
             if t.tp_rank != 0:
                 continue
@@ -47,11 +47,32 @@ class ProbeRecorder(RunRecorder):
             if acc is None:
                 acc = stages[t.stage] = StageAccumulator(t.stage)
             if acc.start_s is None:
-                acc.take(t, idle)
-            else:
-                _take(acc, t, idle)
+                acc.take(t, idle_before_s)
+                continue
+            # `StageAccumulator.take` written out for a stage past its first call: the same
+            # float operations in the same order (min and max as comparisons that pick the
+            # same operand), without a call and its tuple (a deep probe does it 10^6 times)
+            start, end, send_wait = t.compute_start_s, t.compute_end_s, t.send_wait_s
+            gap = start - acc.prev_end_s
+            if gap < -EPS:
+                acc.take(t, idle_before_s)  # raises, as the rule does
+            if gap < 0.0:  # max(gap, 0.0)
+                gap = 0.0
+            transfer_s, wait = t.transfer_s, t.wait_s
+            transfer = transfer_s if transfer_s < gap else gap
+            rest = gap - transfer
+            upstream = rest if rest < wait else wait  # min(wait, rest)
+            empty = rest - upstream  # gap - transfer - upstream
+            idle = idle_before_s if idle_before_s < empty else empty
+            acc.transfer_s += transfer
+            acc.upstream_s += upstream
+            acc.dependency_s += empty - idle
+            acc.idle_s += idle
+            acc.busy_s += end - start
+            acc.downstream_s += send_wait
+            acc.num_microbatches += 1
+            acc.prev_end_s = end + send_wait
         self._tokens(out)
-
 
     def _tokens(self, out: SampledTokens) -> None:
         """RunRecorder._tokens, counting the slow times between tokens as it records them."""
@@ -67,32 +88,6 @@ class ProbeRecorder(RunRecorder):
         self.slow += slow
         if self.on_tokens:
             self.on_tokens(len(out.tokens))
-
-
-def _take(acc: StageAccumulator, t, idle_before_s: float) -> None:
-    """`StageAccumulator.take` written out for a stage past its first call: the same float
-    operations in the same order (min and max as comparisons that pick the same operand),
-    without a method call and its returned tuple (a deep probe does it a million times)."""
-    start, end, send_wait, transfer_s = t.compute_start_s, t.compute_end_s, t.send_wait_s, t.transfer_s
-    gap = start - acc.prev_end_s
-    if gap < -EPS:
-        acc.take(t, idle_before_s)  # raises, as the rule does
-    if gap < 0.0:  # max(gap, 0.0)
-        gap = 0.0
-    transfer = transfer_s if transfer_s < gap else gap
-    rest = gap - transfer
-    wait = t.wait_s
-    upstream = rest if rest < wait else wait  # min(wait, rest)
-    empty = gap - transfer - upstream
-    idle = idle_before_s if idle_before_s < empty else empty
-    acc.transfer_s += transfer
-    acc.upstream_s += upstream
-    acc.dependency_s += empty - idle
-    acc.idle_s += idle
-    acc.busy_s += end - start
-    acc.downstream_s += send_wait
-    acc.num_microbatches += 1
-    acc.prev_end_s = end + send_wait
 
 
 def summary(run: RunResult) -> dict:

@@ -31,7 +31,8 @@ from __future__ import annotations
 import warnings
 from collections import deque
 
-from pp_runtime.core.batch import PLACEHOLDER, MicroBatch, SampledTokens, SeqChunk, seq_chunk
+from pp_runtime.core.batch import (PLACEHOLDER, MicroBatch, SampledTokens, SeqChunk, micro_batch,
+                                   seq_chunk)
 from pp_runtime.config import Config
 from pp_runtime.planner.blocks import KVBlocks
 from pp_runtime.planner.cost import CostModel
@@ -208,7 +209,7 @@ class BasePlanner:
         seqs = self.place(self.compose(now))
         if not seqs:
             return None
-        mb = MicroBatch(self._next_mb, tuple(seqs))
+        mb = micro_batch(self._next_mb, tuple(seqs))
         self._next_mb += 1
         return mb
 
@@ -232,7 +233,7 @@ class BasePlanner:
             if s.sampling is not None:
                 sample_mb[s.request_id] = mb_id
         self._next_mb += 1
-        return MicroBatch(mb_id, tuple(seqs), placeholders=holes)
+        return micro_batch(mb_id, tuple(seqs), holes)
 
     def _lend(self, mb_id: int) -> list[tuple[Request, int]]:
         """Requests that may get a decode in micro-batch `mb_id` before their token is

@@ -60,6 +60,18 @@ class BlockPool:
         self.refs[block] = 1
         return block
 
+    def take_many(self, n: int) -> list[int]:
+        """`[take() for _ in range(n)]`: the same blocks in the same order, popped in one
+        loop where the plain free ones suffice (an admission takes a prompt's blocks)."""
+        free = self.free
+        if len(free) < n:
+            return [self.take() for _ in range(n)]
+        blocks = [free.popleft() for _ in range(n)]
+        refs = self.refs
+        for block in blocks:
+            refs[block] = 1
+        return blocks
+
     def share(self, key: bytes) -> int | None:
         """The block cached under `key`, with one more owner; None on a miss."""
         block = self.by_key.get(key)
@@ -135,7 +147,7 @@ class KVBlocks:
         revived = sum(1 for k in hits if self.pool.refs[self.pool.by_key[k]] == 0)
         if need + revived > self.pool.num_free - (self.watermark if watermark else 0):
             return False
-        req.blocks = [self.pool.share(k) for k in hits] + [self.pool.take() for _ in range(need)]
+        req.blocks = [self.pool.share(k) for k in hits] + self.pool.take_many(need)
         cached = len(hits) * self.block_size
         req.num_scheduled = req.num_computed = req.num_keyed = cached
         req.num_cached += cached

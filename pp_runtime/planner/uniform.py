@@ -94,6 +94,8 @@ class UniformPlanner(BasePlanner):
         self.returning: dict[int, int] = {}  # request id -> mb_id bringing its next token
         self.carrying: dict[int, int] = {}  # mb_id -> requests in `returning` it brings
         self.urgent = 0  # prompt tokens this micro-batch needs for the queue's TTFT target
+        self.row_s: dict[tuple[int, int, int], float] = {}  # `row_cap`'s (decodes, KV
+        #                   length, prompt tokens) -> the cost model's seconds, priced once
         batch = not self.bounded and pl.ttft_slo_ms is None  # no target: for the makespan
         self.order = (SlackOrder(self.waiting, self.rounds, self.depth * self.budget.knee_s)
                       if batch else None)  # arrived requests longest first (planner/order.py)
@@ -194,23 +196,29 @@ class UniformPlanner(BasePlanner):
         share = lambda d: min(self.top, math.ceil(d * mix))  # noqa: E731
         same = getattr(b.cost, "with_chunk_decodes", None)
         if same is not None and same((), 1, kv) is not None:  # the same seconds, no lists
+            seconds = self.row_s  # the same micro-batches come back call after call
+
             def fits(d: int) -> bool:
-                first, mid, last = same((), d, kv)(0, share(d))  # b.time's stages
-                return (max(first, last) if mid is None else max(first, mid, last)) <= period
+                n = share(d)
+                t = seconds.get((d, kv, n))
+                if t is None:
+                    first, mid, last = same((), d, kv)(0, n)  # b.time's stages
+                    t = seconds[d, kv, n] = max(first, last) if mid is None else max(first, mid, last)
+                return t <= period
         else:
             def fits(d: int) -> bool:
                 return b.time([(0, share(d))], [kv] * d) <= period
         return max(1, b.largest(fits, 4096)) * self.depth
 
-    def prefill_need(self, now: float) -> int:
+    def prefill_need(self, now: float, left: int) -> int:
         """Prompt tokens per micro-batch that bring the first waiting requests to their
-        first token within the TTFT target (0 without one)."""
+        first token within the TTFT target (0 without one), beside the `left` prompt
+        tokens the running requests have yet to schedule."""
         b = self.budget
         if b.ttft_slo_s is None:
             return 0
         per_mb = b.base_s  # seconds of one micro-batch
-        tokens = sum(r.prefill_len - r.num_scheduled for r in self.running
-                     if r.num_scheduled < r.prefill_len)
+        tokens = left
         need = 0.0
         for i, r in enumerate(self.waiting):
             if i == QUEUE_LOOKAHEAD or r.arrival_s > now:
@@ -240,8 +248,9 @@ class UniformPlanner(BasePlanner):
         bound = self.round_bound(now, [r.request_id for r in ready])
         if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
             even = max(self.min_chunk, -(-left // self.depth))
-            self.urgent = self.prefill_need(now)
-            start = self.tokens_back(now, [self.returning.get(s.request_id) for s in seqs])
+            self.urgent = self.prefill_need(now, left)  # compose's pass counted them
+            start = (self.tokens_back(now, [self.returning.get(s.request_id) for s in seqs])
+                     if self.ahead else now)  # (`tokens_back`'s answer when not ahead)
             seqs += self.fill(start, kv, prefilling, bound, even)
         return seqs
 
@@ -370,27 +379,26 @@ class UniformPlanner(BasePlanner):
             start = self.tokens_back(now, [src for _, src in mb.placeholders])
             self.clock.commit(mb.mb_id, self.clock.completion(start, scaled, tokens))
             if self.budget.tbt_slo_s is not None:
-                bring, mb_id = self.bring, mb.mb_id
-                for s in mb.seqs:
-                    if s.sampling is not None:
-                        bring(s.request_id, mb_id)
+                self.bring(mb)
         return mb
 
-    def bring(self, rid: int, mb_id: int) -> None:
-        """Request `rid`'s next token is on its way in micro-batch `mb_id`."""
-        self.brought(rid)
-        self.returning[rid] = mb_id
-        self.carrying[mb_id] = self.carrying.get(mb_id, 0) + 1
-
-    def brought(self, rid: int) -> None:
-        """Request `rid`'s token came back (or none was on its way)."""
-        mb_id = self.returning.pop(rid, None)
-        if mb_id is not None:
-            left = self.carrying[mb_id] - 1
-            if left:
-                self.carrying[mb_id] = left
-            else:
-                del self.carrying[mb_id]
+    def bring(self, mb: MicroBatch) -> None:
+        """The next token of each request that samples in `mb` is on its way in it (the
+        one it was waiting for before, if any, came back or was dropped)."""
+        returning, carrying, mb_id = self.returning, self.carrying, mb.mb_id
+        for s in mb.seqs:
+            if s.sampling is None:
+                continue
+            rid = s.request_id
+            before = returning.pop(rid, None)
+            if before is not None:
+                left = carrying[before] - 1
+                if left:
+                    carrying[before] = left
+                else:
+                    del carrying[before]
+            returning[rid] = mb_id
+            carrying[mb_id] = carrying.get(mb_id, 0) + 1
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         predicted = self.predicted.pop(mb.mb_id, 0.0)

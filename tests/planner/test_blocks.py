@@ -148,3 +148,18 @@ def test_block_pool_never_hands_out_a_block_twice(ops):
 def test_bad_cache_settings_are_refused(fields, match):
     with pytest.raises(ConfigError, match=match):
         Config().with_overrides(**fields)
+
+
+def test_taking_many_blocks_takes_what_one_at_a_time_takes():
+    def pool():  # two plain free blocks, then keyed ones nobody owns
+        p = BlockPool(6, prefix_caching=True)
+        held = [p.take() for _ in range(4)]
+        for i, b in enumerate(held):
+            p.register(b, bytes([i]))
+        p.release(held)
+        return p
+
+    for n in (1, 2, 3, 5):
+        a, b = pool(), pool()
+        assert a.take_many(n) == [b.take() for _ in range(n)]
+        assert (list(a.free), a.refs, a.unused, a.by_key) == (list(b.free), b.refs, b.unused, b.by_key)
