@@ -129,6 +129,7 @@ def test_a_group_sigterm_while_ray_starts_stops_everything(start):
     srv = start()
     srv.wait_for(lambda: any("raylet" in cmdline(p) for p in srv.procs))
     took = srv.signal(signal.SIGTERM, group=True)
-    check_clean_exit(srv, 143, took)
-    assert took < 15, f"{took:.1f} s: the start was not given up"  # 6-7 s measured
-    assert "Traceback" not in "".join(srv.stdout)
+    check_clean_exit(srv, 143, took)  # within STOP_S (6-7 s alone, 24 s once in CI's suite)
+    out = "".join(srv.stdout)
+    assert "ready in" not in out, f"{took:.1f} s: the start was not given up:\n{out[-2000:]}"
+    assert "Traceback" not in out
