@@ -8,7 +8,7 @@ optimistic (1.33 x the measured capacity on this machine's CPU pipeline, docs/pl
 So before the search, for every layout that fits: the calibration found is said in one
 line; where there is none and the profile is this machine's (`--gpu cpu`), it is measured
 now, as `pp-runtime profile --calibrate N` would (N requests for real on the layout's
-executor, then N / 2 whole prompts), and said so; on a GPU profile it can only be
+executor, then N / 2 whole prompts, then the N arriving as a served load), and said so; on a GPU profile it can only be
 measured on that machine, which the line says.
 """
 from __future__ import annotations

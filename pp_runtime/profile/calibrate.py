@@ -148,6 +148,7 @@ def stage_factors(fitted, measured, stage, pp: int) -> list[float]:
 
 
 WHOLE_PROMPTS = "orca-best"  # the second calibration run: whole prompts in one micro-batch
+PACED_LOAD = 0.8  # the third run's Poisson rate, as a share of the first run's offline rate
 
 
 def _run(cfg: Config, executor) -> tuple[TimedExecutor, dict, dict]:
@@ -166,26 +167,49 @@ def _run(cfg: Config, executor) -> tuple[TimedExecutor, dict, dict]:
     return timed, mbs, timings
 
 
+def offline_rate(timed: TimedExecutor, requests: int) -> float:
+    """Requests per second of a run of `requests` all at once: first submit to last result."""
+    times = timed.times.values()
+    span = max(t[3] for t in times) - min(t[0] for t in times)
+    return requests / span if span > 0 else 0.0
+
+
+def _merged(runs: list[tuple[dict, dict]], pp: int) -> tuple[dict, dict]:
+    """The runs' micro-batches and timings under one numbering; each later run's first
+    micro-batches (its new actors' warm-up) left out, as the fit leaves out the first's."""
+    mbs, timings = dict(runs[0][0]), dict(runs[0][1])
+    for more, more_t in runs[1:]:
+        n, cold = max(mbs) + 1, set(sorted(more)[:WARM_UP * pp])
+        mbs.update({n + i: mb for i, mb in more.items() if i not in cold})
+        timings.update({n + i: t for i, t in more_t.items()})
+    return mbs, timings
+
+
 def calibrate(cfg: Config, profile: str | Path, requests: int = 10, executor=None,
-              save: bool = True, whole_prompts: bool = True) -> Calibration:
+              save: bool = True, whole_prompts: bool = True, paced: bool = True) -> Calibration:
     """Run a short real workload on `cfg`'s executor (or `executor`, already started) and
     fit what the profile misses; saved into the profile's calibration.json. Without an
-    `executor` a second run of `requests` // 2 whole prompts (`WHOLE_PROMPTS`) adds long
-    micro-batches to the compute fit (the host costs come from the first run)."""
+    `executor`, two more runs join the compute fit (the host costs come from the first):
+    `requests` // 2 whole prompts (`WHOLE_PROMPTS`: long micro-batches), and `requests`
+    arriving as Poisson at `PACED_LOAD` x the first run's offline rate (`paced`): the
+    micro-batches of a served load, a few decodes beside a chunk, which a burst of
+    requests at once hardly makes (stage 0 computed 8 % more than priced on such a load,
+    docs/measurements/plan.md)."""
     # the path the simulator prices: tokens back through the driver (the token hop's waits
     # on stage 0 are not priced yet, docs/simulator.md), unless an executor is handed in
     cfg = cfg.with_overrides(**{"hardware.profile": str(profile), "workload.num_requests": requests,
                                 "workload.qps": None, "runtime.token_hop": False})
     cfg = resolve_layer_split(cfg).with_layer_split_resolved()
     timed, mbs, timings = _run(cfg, executor)
-    fit, points, rms = fit_compute(cfg, mbs, timings)
-    if whole_prompts and executor is None and requests >= 2 and cfg.planner.planner != WHOLE_PROMPTS:
-        whole = cfg.with_overrides(planner=WHOLE_PROMPTS, num_requests=requests // 2)
-        _, mbs2, timings2 = _run(whole, None)
-        n, cold = max(mbs) + 1, sorted(mbs2)[:WARM_UP * cfg.parallel.pp]  # new actors' warm-up
-        fit, points, rms = fit_compute(
-            cfg, {**mbs, **{n + i: mb for i, mb in mbs2.items() if i not in cold}},
-            {**timings, **{n + i: t for i, t in timings2.items()}})
+    runs = [(mbs, timings)]
+    if executor is None and requests >= 2:
+        if whole_prompts and cfg.planner.planner != WHOLE_PROMPTS:
+            whole = cfg.with_overrides(planner=WHOLE_PROMPTS, num_requests=requests // 2)
+            runs.append(_run(whole, None)[1:])
+        rate = offline_rate(timed, requests)
+        if paced and rate > 0:
+            runs.append(_run(cfg.with_overrides(**{"workload.qps": PACED_LOAD * rate}), None)[1:])
+    fit, points, rms = fit_compute(cfg, *_merged(runs, cfg.parallel.pp))
     p = cfg.parallel
     kind = calibration.executor_kind(timed.inner.name, p.tp, p.pp)
     cal = Calibration(kind, p.pp, fit, host_costs(timed.times, timings, p.pp),

@@ -182,3 +182,39 @@ def test_stage_factors_scale_each_stage_and_travel_through_the_file(tmp_path):
     assert back == own and back.compute.stage_factors(2) == [1.1, 0.9]
     assert back.compute.stage_factors(3) is None  # fitted at another depth: not applied
     assert "stages x1.100 / x0.900" in calibration.describe(back)
+
+
+def test_a_calibration_adds_whole_prompts_and_a_served_load(monkeypatch, tmp_path):
+    """Three real runs join the compute fit: the burst (`requests` at once), `requests` // 2
+    whole prompts, and the same requests as Poisson at PACED_LOAD x the burst's offline
+    rate (8 requests in 4 s here: 1.6 req/s); each later run without its warm-up."""
+    from pp_runtime.profile import calibrate as cal
+
+    runs, merged = [], []
+
+    class Inner:
+        name, path = "ray", "tasks"
+
+    def fake_run(cfg, executor):
+        k = len(runs)
+        runs.append(cfg)
+        timed = cal.TimedExecutor(Inner())
+        timed.times = {0: [0.5, 0.6, 0.7, 1.0], 1: [1.0, 1.1, 1.2, 4.5]}  # 0.5 .. 4.5 s
+        ids = range(100 * k, 100 * k + 6)
+        return timed, {i: f"mb{i}" for i in ids}, {i: [] for i in ids}
+
+    monkeypatch.setattr(cal, "_run", fake_run)
+    monkeypatch.setattr(cal, "fit_compute",
+                        lambda cfg, m, t: merged.append(sorted(m)) or (ComputeFit(), len(m), 0.0))
+    monkeypatch.setattr(cal, "host_costs", lambda *a: HostCost())
+    cfg = Config().with_overrides(pp=2, executor="ray", layer_split="even")
+    cal.calibrate(cfg, tmp_path, requests=8, save=False)
+    assert [c.workload.qps for c in runs] == [None, None, pytest.approx(cal.PACED_LOAD * 8 / 4.0)]
+    assert runs[1].planner.planner == "orca-best" and runs[1].workload.num_requests == 4
+    assert runs[2].planner.planner == cfg.planner.planner and runs[2].workload.num_requests == 8
+    warm = cal.WARM_UP * 2  # the later runs' first micro-batches: their new actors' warm-up
+    assert merged == [[0, 1, 2, 3, 4, 5, *(6 + 100 + i for i in range(warm, 6)),
+                       *(112 + 200 + i for i in range(warm, 6))]]  # after 111
+    runs.clear()
+    cal.calibrate(cfg, tmp_path, requests=8, save=False, paced=False)
+    assert [c.workload.qps for c in runs] == [None, None]
