@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +25,10 @@ from pp_runtime.core.net import free_port
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
-SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+# this interpreter's bin first: the job scripts run `python` and `pp-runtime` from PATH, and
+# in a virtualenv that is not activated the first ones on PATH are another install's
+SBIN_PATH = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", ""),
+                             "/usr/sbin", "/sbin"])
 BINARIES = ["slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo", "munged", "mungekey"]
 APT_INSTALL = ("apt-get update && apt-get install -y --no-install-recommends "
                "slurmctld slurmd slurm-client munge")

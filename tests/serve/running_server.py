@@ -23,7 +23,9 @@ class Server:
     def __init__(self, *args: str, api_key: str | None = None):
         self.port, self.api_key = free_port(), api_key
         self.url = f"http://127.0.0.1:{self.port}"
-        exe = shutil.which("pp-runtime")
+        # the console script installed beside this interpreter (a virtualenv's, not the
+        # first one on PATH: that may be another install's), else the module
+        exe = shutil.which("pp-runtime", path=str(Path(sys.executable).parent))
         cmd = [exe] if exe else [sys.executable, "-m", "pp_runtime.cli"]
         cmd += ["serve", *args, "--port", str(self.port)]
         if api_key:
