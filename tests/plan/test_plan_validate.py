@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# 242-272 s in CI's suite on 2 cores, a quarter of it: run apart (python -m pytest -m heavy)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def test_validate_serves_the_choice_and_the_reference_for_real(tmp_path):
