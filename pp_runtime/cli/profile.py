@@ -32,6 +32,11 @@ def cmd_profile(args) -> int:
     path = measure_profile(cfg, out, quick=args.quick, progress=not args.quiet)
     print(f"profile of {cfg.model.name} (tp={cfg.parallel.tp}) written to {path}/ in "
           f"{time.perf_counter() - t0:.0f} s; simulate with it: --set hardware.profile={path}")
+    old = path / "calibration.json"
+    if old.exists():  # fitted against the tables just replaced: it would price them wrong
+        old.replace(path / "calibration.json.old")
+        print(f"the calibration fitted to the previous tables moved to {path}/calibration.json.old"
+              f"{'' if args.calibrate else ' (--calibrate N measures a new one)'}")
     if args.calibrate:  # a short real run on the config's executor (docs/costmodel.md)
         from pp_runtime.profile.calibrate import calibrate
         from pp_runtime.costmodel.calibration import describe

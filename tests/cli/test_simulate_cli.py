@@ -60,8 +60,12 @@ def test_simulator_never_imports_torch():
 def test_profile_measured_here_drives_the_simulator(tmp_path):
     """`pp-runtime profile` writes a profile of this machine; the simulator prices with it."""
     prof = tmp_path / "profile"
+    prof.mkdir()
+    (prof / "calibration.json").write_text("{}")  # an earlier calibration, of other tables
     r = cli("profile", "--config", "tiny", "--quick", "--quiet", "--out", str(prof))
     assert r.returncode == 0, r.stderr
+    assert not (prof / "calibration.json").exists() and (prof / "calibration.json.old").is_file()
+    assert "calibration fitted to the previous tables moved to" in r.stdout
     assert {"mlp.csv", "attention.csv", "send_recv.csv", "device.json"} <= {p.name for p in prof.iterdir()}
     out = tmp_path / "run"
     r = cli("simulate", "--config", "tiny", "--set", f"hardware.profile={prof}", "--set", "pp=2",
