@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from pp_runtime.core.batch import MicroBatch
 from pp_runtime.model.cpu_kernels import decode_attention_cpu
@@ -198,9 +197,22 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
     else:
         _path_calls["prefill_lower_right"] += 1
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(n, kv_len),
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=lower_right(n, kv_len, q.device),
                                            enable_gqa=True)
     return o[0].transpose(0, 1)  # [n, heads, head_dim]
+
+
+def lower_right(n: int, kv_len: int, device: torch.device):
+    """The causal triangle anchored at the bottom-right corner of the [n, kv_len] scores.
+    On CPU the boolean mask that torch's `causal_lower_right` materializes there (no fused
+    kernel takes it: `CausalBias._dispatch`), built here: importing torch.nn.attention.bias
+    imports torch._dynamo, a second per process, in every stage worker. Elsewhere torch's
+    bias itself (flash and memory-efficient kernels take it without a mask), imported then."""
+    if device.type == "cpu":
+        return torch.ones(n, kv_len, dtype=torch.bool).tril(kv_len - n)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(n, kv_len)
 
 
 @functools.cache

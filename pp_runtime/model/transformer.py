@@ -334,3 +334,16 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
             module._parameters[key] = done[id(p)]
     if any(b.is_meta for b in model.buffers()):
         raise ValueError("materialize: the model has buffers on the meta device; give them values")
+
+
+class ShapesOnly(torch.overrides.TorchFunctionMode):
+    """Inside `with torch.device("meta"), ShapesOnly():` modules get their shapes and skip
+    their own random init (`torch.nn.init`'s functions return the tensor untouched):
+    `init_random` or the checkpoint sets every weight afterwards. On meta tensors those
+    inits run torch's Python references, whose first call imports torch._dynamo: a second
+    of CPU in every stage worker for draws that are thrown away."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))

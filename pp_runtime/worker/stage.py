@@ -28,7 +28,7 @@ from pp_runtime.model.cpu_kernels import prepack_linears, use_decode_kernel, use
 from pp_runtime.model.kv_cache import KVCache
 from pp_runtime.model.paged_kernel import use_paged_decode
 from pp_runtime.model.loader import load_stage_weights
-from pp_runtime.model.transformer import StageModel, compile_small_ops, materialize
+from pp_runtime.model.transformer import ShapesOnly, StageModel, compile_small_ops, materialize
 from pp_runtime.parallel.groups import StageGroups
 from pp_runtime.parallel.layers import TensorParallel, Unsharded
 from pp_runtime.parallel.p2p import StageLink, TokenHop
@@ -49,7 +49,7 @@ class StageWorker:
         # tp = 1 needs no collectives: plain torch layers (which `prepack_linears` packs)
         par = (Unsharded() if groups is None or groups.tp == 1
                else TensorParallel(groups.tp_group, groups.tp, groups.tp_rank, dtype))
-        with torch.device("meta"):  # shapes only; each tensor is allocated once, below
+        with torch.device("meta"), ShapesOnly():  # each tensor is allocated once, below
             model = StageModel(m, self.lo, self.hi, par, cfg.stage_units(stage))
         materialize(model, device, dtype)  # this rank's shard, in its final dtype
         if checkpoint is None:

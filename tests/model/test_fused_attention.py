@@ -259,3 +259,31 @@ def test_cuda_varlen_decode_equals_per_decode_views(kv_heads, window):
     assert calls_since(before) == {"decode_varlen": 1}
     want = decode_attention_views(q, k_cache, v_cache, layout, window)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("start, n, kv_heads", [(1, 1, 2), (40, 24, 2), (7, 30, 8)])
+def test_the_cpu_lower_right_mask_is_torchs_bias_to_the_bit(start, n, kv_heads):
+    """On CPU a later chunk's mask is built here, not by torch's `causal_lower_right`
+    (whose import costs a worker a second of torch._dynamo): the same outputs, bit for bit,
+    and the stage worker's imports leave torch._dynamo out."""
+    import subprocess
+    import sys
+
+    from torch.nn.attention.bias import causal_lower_right
+
+    torch.manual_seed(start + n)
+    heads, d = 8, 16
+    q = torch.randn(1, heads, n, d)
+    k, v = (torch.randn(1, kv_heads, start + n, d) for _ in range(2))
+    ours = attention.lower_right(n, start + n, q.device)
+    assert isinstance(ours, torch.Tensor) and ours.dtype == torch.bool
+    got = F.scaled_dot_product_attention(q, k, v, attn_mask=ours, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, start + n),
+                                         enable_gqa=True)
+    assert torch.equal(got, ref)
+    if start == 1:
+        code = ("import sys, pp_runtime.worker.stage, pp_runtime.executors.ray_actor; "
+                "print('torch._dynamo' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout.split()
+        assert out == ["False"], out
