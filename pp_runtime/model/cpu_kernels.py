@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -117,7 +119,10 @@ def decode_extension():
     extension cache (~/.cache/torch_extensions; TORCH_EXTENSIONS_DIR moves it), about 25 s
     on this machine's two cores, then loaded in well under a second. The name carries a hash
     of the source, the flags and this CPU's model, so an edit or another node's CPU (with
-    `-march=native`) gets its own build and a shared home directory is safe."""
+    `-march=native`) gets its own build and a shared home directory is safe. It is compiled
+    from a copy of the source kept in its build directory: torch's ninja file names the
+    source's path, and the same source at another path (a second checkout, a wheel install)
+    would rebuild it every time the two alternate."""
     import hashlib
     import platform
 
@@ -128,8 +133,14 @@ def decode_extension():
     key = hashlib.sha1(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + model.encode()).hexdigest()[:10]
     name = f"pp_runtime_decode_{key}"
     try:
-        with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
-            return cpp_extension.load(name, [str(_SOURCE)], extra_cflags=_FLAGS,
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _build_lock(build_dir):
+            source = build_dir / _SOURCE.name  # the name's hash covers its content
+            if not source.exists():
+                tmp = source.with_suffix(f".{os.getpid()}.tmp")
+                shutil.copyfile(_SOURCE, tmp)
+                tmp.replace(source)
+            return cpp_extension.load(name, [str(source)], extra_cflags=_FLAGS,
                                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the SDPA path runs
         warnings.warn(f"pp_runtime: the CPU decode-attention kernel could not be built "

@@ -152,3 +152,33 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load():
     with open(lock.parent / "pp_runtime.flock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         assert not lock.exists()
+
+
+def test_the_same_source_at_another_path_loads_the_same_build(tmp_path):
+    """The kernel compiles from a copy of its source in its build directory: the same
+    source at another path (a wheel install beside a checkout) loads that build, where
+    torch's ninja file naming the source's own path rebuilt it each time the two alternated
+    (~30 s, under a lock every stage worker waits on)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    from pp_runtime.model import cpu_kernels
+    if decode_extension() is None:
+        pytest.skip("no C++ toolchain here")
+    name = decode_extension().__name__
+    build = Path(cpp_extension._get_build_directory(name, verbose=False))
+    (so,) = build.glob(f"{name}*.so")
+    before = so.stat().st_mtime_ns
+    assert str(cpu_kernels._SOURCE) not in (build / "build.ninja").read_text()
+    other = tmp_path / "elsewhere" / cpu_kernels._SOURCE.name
+    other.parent.mkdir()
+    shutil.copyfile(cpu_kernels._SOURCE, other)
+    code = ("from pathlib import Path; import pp_runtime.model.cpu_kernels as k; "
+            f"k._SOURCE = Path({str(other)!r}); assert k.decode_extension() is not None")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    assert so.stat().st_mtime_ns == before, "rebuilt for the same source at another path"
+    assert str(other) not in (build / "build.ninja").read_text()
