@@ -58,7 +58,10 @@ def outputs(d):
 
 
 @pytest.mark.skipif(not _unshare_ok(), reason="needs unshare -n (a private network namespace)")
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+# 1 x 2 (25-40 s in the suite) runs apart (-m heavy): its token hop is token-exact against
+# one process on torchrun at PP = 3 (test_torchrun_token_hop.py) and on Ray at PP = 2 and 3
+# (tests/parallel/test_token_hop.py), and 2 x 2 compares the two launchers' tokens and reports
+@pytest.mark.parametrize("tp, pp", [pytest.param(1, 2, marks=pytest.mark.heavy), (2, 2)])
 def test_torchrun_and_ray_give_the_same_tokens_and_reports(tmp_path, tp, pp):
     par = ["--set", f"tp={tp}", "--set", f"pp={pp}"]
     r = torchrun(tmp_path / "torchrun", tp * pp, *WORKLOAD, *par)
