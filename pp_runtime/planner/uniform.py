@@ -50,6 +50,7 @@ from pp_runtime.core.request import Request
 from pp_runtime.planner.base import UNBOUNDED_ROWS, BasePlanner
 from pp_runtime.planner.budget import MARGIN, PipelineClock, TimeBudget, largest_at_most
 from pp_runtime.planner.cost import CostModel
+from pp_runtime.planner.due import TokensDue
 from pp_runtime.planner.order import SlackOrder
 
 MAX_PACKED = 16  # prefill chunks in one micro-batch, at most
@@ -90,9 +91,9 @@ class UniformPlanner(BasePlanner):
         self.clock = PipelineClock(cost_model, self.pp)
         send = getattr(cost_model, "send_time", None)  # a sampled token's hop to stage 0
         self.hop_s = send(1, 1) if send is not None and self.pp > 1 else 0.0
-        self.last_token_s: dict[int, float] = {}  # request id -> when its last token came
-        self.returning: dict[int, int] = {}  # request id -> mb_id bringing its next token
-        self.carrying: dict[int, int] = {}  # mb_id -> requests in `returning` it brings
+        self.due = TokensDue()  # when each request's next token is due (planner/due.py)
+        self.last_token_s, self.returning, self.carrying = (  # its dicts, read in the loops
+            self.due.last_s, self.due.returning, self.due.carrying)
         self.urgent = 0  # prompt tokens this micro-batch needs for the queue's TTFT target
         self.row_s: dict[tuple[int, int, int], float] = {}  # `row_cap`'s (decodes, KV
         #                   length, prompt tokens) -> the cost model's seconds, priced once
@@ -262,12 +263,7 @@ class UniformPlanner(BasePlanner):
         micro-batch as soon as stage 0 is free and predicts its return early."""
         if not self.ahead:
             return now
-        done, start = self.clock.done, now
-        for src in sources:
-            t = done.get(src) if src is not None else None
-            if t is not None and t + self.hop_s > start:
-                start = t + self.hop_s
-        return start
+        return TokensDue.start_after(now, sources, self.clock.done, self.hop_s)
 
     def round_bound(self, now: float, decodes: list[int]) -> float:
         """The latest the next micro-batch may come back (TBT target; inf without): 0.95 x S
@@ -279,16 +275,7 @@ class UniformPlanner(BasePlanner):
         b = self.budget
         if b.tbt_slo_s is None:
             return INF
-        last, done, returning = self.last_token_s, self.clock.done, self.returning
-        first = INF
-        for rid in decodes:  # planned ahead, a decode's last token is the one on its way:
-            mb_id = returning.get(rid)  # its predicted return, not the token before it
-            t = last.get(rid, now) if mb_id is None else done.get(mb_id, now)
-            first = t if t < first else first
-        for mb_id in self.carrying:  # tokens on their way: due again after return
-            t = done.get(mb_id, now)
-            first = t if t < first else first
-        return first + b.tbt_slo_s * MARGIN  # inf: no token is due
+        return self.due.first_due(now, decodes, self.clock.done) + b.tbt_slo_s * MARGIN
 
     def fill(self, now: float, kv: list[int], prefilling: list[Request],
              bound: float, even: int) -> list[SeqChunk]:
@@ -379,26 +366,8 @@ class UniformPlanner(BasePlanner):
             start = self.tokens_back(now, [src for _, src in mb.placeholders])
             self.clock.commit(mb.mb_id, self.clock.completion(start, scaled, tokens))
             if self.budget.tbt_slo_s is not None:
-                self.bring(mb)
+                self.due.bring(mb)
         return mb
-
-    def bring(self, mb: MicroBatch) -> None:
-        """The next token of each request that samples in `mb` is on its way in it (the
-        one it was waiting for before, if any, came back or was dropped)."""
-        returning, carrying, mb_id = self.returning, self.carrying, mb.mb_id
-        for s in mb.seqs:
-            if s.sampling is None:
-                continue
-            rid = s.request_id
-            before = returning.pop(rid, None)
-            if before is not None:
-                left = carrying[before] - 1
-                if left:
-                    carrying[before] = left
-                else:
-                    del carrying[before]
-            returning[rid] = mb_id
-            carrying[mb_id] = carrying.get(mb_id, 0) + 1
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         predicted = self.predicted.pop(mb.mb_id, 0.0)
@@ -406,17 +375,10 @@ class UniformPlanner(BasePlanner):
         if out.timings:  # the stage that took longest (StageTiming.compute_s, written out)
             self.budget.observe(predicted, max([t.compute_end_s - t.compute_start_s
                                                 for t in out.timings]))
-        last, returning, carrying = self.last_token_s, self.returning, self.carrying
-        for rid in out.tokens:
-            last[rid] = now
-        if carrying.pop(mb.mb_id, None) is not None:  # its tokens are back (or dropped);
-            for s in mb.seqs:  # planned ahead, a request's next token may be on its way
-                rid = s.request_id  # in a later micro-batch already: that one stays
-                if s.sampling is not None and returning.get(rid) == mb.mb_id:
-                    del returning[rid]
+        self.due.back(mb, out.tokens, now)
         finished = super().on_result(mb, out, now)
         for r in finished:
-            last.pop(r.request_id, None)
+            self.due.finished(r.request_id)
             share = len(r.output_token_ids) / r.params.max_tokens
             self.out_share += 0.05 * (share - self.out_share)
         return finished
