@@ -239,7 +239,7 @@ class RuntimeConfig:
     prepack: bool = True  # linear layers on prepacked oneDNN weights (CPU, float32/bfloat16,
     #                       tp = 1 layers; results differ from plain torch by fp32 rounding)
     cpu_decode_kernel: bool = True  # decode attention in one C++ call per layer (built on
-    #                                 first use, ~25 s, cached; without a compiler: one SDPA
+    #                                 first use, ~17 s, cached; without a compiler: one SDPA
     #                                 call per decode, as with false)
     kv_layout: str = "auto"  # KV cache order: "heads" ([slot][head][position], each head's
     #                          keys contiguous: decode attention streams them), "tokens"

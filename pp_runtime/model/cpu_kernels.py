@@ -116,7 +116,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp"]  # torch's intra-op threads are Op
 def decode_extension():
     """The compiled decode-attention kernel, or None where it cannot be built (no C++
     compiler or ninja; the reason is warned once). Built on first use into torch's
-    extension cache (~/.cache/torch_extensions; TORCH_EXTENSIONS_DIR moves it), about 25 s
+    extension cache (~/.cache/torch_extensions; TORCH_EXTENSIONS_DIR moves it), about 17 s
     on this machine's two cores, then loaded in well under a second. The name carries a hash
     of the source, the flags and this CPU's model, so an edit or another node's CPU (with
     `-march=native`) gets its own build and a shared home directory is safe. It is compiled

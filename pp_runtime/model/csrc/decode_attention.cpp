@@ -11,8 +11,13 @@
 // table, never gathered. One task per (decode, head), spread over torch's intra-op threads
 // (at::parallel_for); each reads exactly len_b - f_b keys and values once, accumulating in
 // float32 (bfloat16 caches too). Built on first use by pp_runtime/model/cpu_kernels.py.
-#include <torch/extension.h>
+// Only the headers it uses (a tensor, at::empty, parallel_for, pybind's tensor caster):
+// <torch/extension.h>, all of libtorch's C++ API, took 27 s of a 2-core machine's build
+// (which every stage worker's first start waits on), these 10 s.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
