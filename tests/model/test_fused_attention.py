@@ -265,7 +265,7 @@ def test_cuda_varlen_decode_equals_per_decode_views(kv_heads, window):
 def test_the_cpu_lower_right_mask_is_torchs_bias_to_the_bit(start, n, kv_heads):
     """On CPU a later chunk's mask is built here, not by torch's `causal_lower_right`
     (whose import costs a worker a second of torch._dynamo): the same outputs, bit for bit,
-    and the stage worker's imports leave torch._dynamo out."""
+    and a stage worker's imports and build leave torch._dynamo out."""
     import subprocess
     import sys
 
@@ -283,6 +283,8 @@ def test_the_cpu_lower_right_mask_is_torchs_bias_to_the_bit(start, n, kv_heads):
     assert torch.equal(got, ref)
     if start == 1:
         code = ("import sys, pp_runtime.worker.stage, pp_runtime.executors.ray_actor; "
+                "from pp_runtime import LLM; "  # a worker built too (model/transformer.ShapesOnly)
+                "LLM('tiny', executor='local', threads_per_worker=1); "
                 "print('torch._dynamo' in sys.modules)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True).stdout.split()
