@@ -243,6 +243,16 @@ class PipelineClock:
         self.free = ends
         self.done[mb_id] = ends[-1]
 
+    def start_after(self, now: float, sources, hop_s: float) -> float:
+        """The predicted return of the latest of micro-batches `sources` (None: none) plus
+        one token's hop to stage 0, or `now` if later."""
+        done, start = self.done, now
+        for src in sources:
+            t = done.get(src) if src is not None else None
+            if t is not None and t + hop_s > start:
+                start = t + hop_s
+        return start
+
     def returned(self, mb_id: int, now: float) -> None:
         """A micro-batch came back at `now`: the prediction of everything behind it shifts
         by its error (the pipeline ran late or early by as much)."""

@@ -66,14 +66,3 @@ class TokensDue:
             t = done.get(mb_id, now)
             first = t if t < first else first
         return first
-
-    @staticmethod
-    def start_after(now: float, sources, done: dict[int, float], hop_s: float) -> float:
-        """The latest predicted return of micro-batches `sources` (None: none) plus one
-        token's hop, or `now` if later."""
-        start = now
-        for src in sources:
-            t = done.get(src) if src is not None else None
-            if t is not None and t + hop_s > start:
-                start = t + hop_s
-        return start

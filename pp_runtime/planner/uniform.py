@@ -92,8 +92,6 @@ class UniformPlanner(BasePlanner):
         send = getattr(cost_model, "send_time", None)  # a sampled token's hop to stage 0
         self.hop_s = send(1, 1) if send is not None and self.pp > 1 else 0.0
         self.due = TokensDue()  # when each request's next token is due (planner/due.py)
-        self.last_token_s, self.returning, self.carrying = (  # its dicts, read in the loops
-            self.due.last_s, self.due.returning, self.due.carrying)
         self.urgent = 0  # prompt tokens this micro-batch needs for the queue's TTFT target
         self.row_s: dict[tuple[int, int, int], float] = {}  # `row_cap`'s (decodes, KV
         #                   length, prompt tokens) -> the cost model's seconds, priced once
@@ -250,7 +248,8 @@ class UniformPlanner(BasePlanner):
         if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
             even = max(self.min_chunk, -(-left // self.depth))
             self.urgent = self.prefill_need(now, left)  # compose's pass counted them
-            start = (self.tokens_back(now, [self.returning.get(s.request_id) for s in seqs])
+            returning = self.due.returning
+            start = (self.tokens_back(now, [returning.get(s.request_id) for s in seqs])
                      if self.ahead else now)  # (`tokens_back`'s answer when not ahead)
             seqs += self.fill(start, kv, prefilling, bound, even)
         return seqs
@@ -263,7 +262,12 @@ class UniformPlanner(BasePlanner):
         micro-batch as soon as stage 0 is free and predicts its return early."""
         if not self.ahead:
             return now
-        return TokensDue.start_after(now, sources, self.clock.done, self.hop_s)
+        return self.clock.start_after(now, sources, self.hop_s)
+
+    # the tokens-due dicts under their names (read by tests/planner/test_uniform_fast.py)
+    last_token_s = property(lambda self: self.due.last_s)
+    returning = property(lambda self: self.due.returning)
+    carrying = property(lambda self: self.due.carrying)
 
     def round_bound(self, now: float, decodes: list[int]) -> float:
         """The latest the next micro-batch may come back (TBT target; inf without): 0.95 x S
