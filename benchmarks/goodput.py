@@ -5,10 +5,16 @@ LLaMA-2-70B TP8 x PP8 on H100s, at P:D 1, 3 and 10.
 For each setting:
   - u, the unloaded time between tokens (one decode through the pipeline, sends included),
     and the TTFT target: 5 x the unloaded time to first token of the mean prompt;
-  - the offline makespan of every row (every request at once), and from the fastest the
-    highest rate probed: 1.25 x its throughput (N / makespan). Faster arrivals than any
-    schedule can serve would test how many of the N requests the KV memory absorbs in a
-    burst, not a rate the pipeline sustains;
+  - the offline makespan of every row (every request at once);
+  - the highest rate probed: the cost model's work bound (every token at the best time per
+    token any micro-batch reaches, on the slowest stage: `plan.search.upper_bound`), which
+    no schedule sustains past. (An offline makespan is no such bound: with N requests at
+    once it ends in the decode tail of the longest ones, a latency; on LLaMA-2-70B P:D 1,
+    400 requests finish at 11.7 req/s while a Poisson load of 29.7 req/s meets a 3x target.)
+    A probe at rate q holds at least q x the mean output x the loosest TBT target requests
+    (`LIFETIMES` of them): its arrivals span a request's life at that target, so the rows
+    in flight reach what the rate sustains before the arrivals end, instead of a burst of
+    N that the KV memory absorbs;
   - TBT targets 2u, 3u, 5u; for each, the capacity (the highest Poisson rate whose p99 TBT
     and p99 TTFT meet their targets, on a geometric grid of rates x1.1) of
       uniform        its defaults, given the two targets (planner.tbt_slo_ms, ttft_slo_ms);
@@ -38,7 +44,9 @@ from tqdm import tqdm
 from pp_runtime.bench.capacity import meets
 from pp_runtime.config import load_config
 from pp_runtime.costmodel import build_cost_model
+from pp_runtime.core.workload import generate
 from pp_runtime.engine.simulate import simulate
+from pp_runtime.plan.search import Workload, upper_bound
 from pp_runtime.telemetry.report import build_report
 
 MODELS = {"gpt3": "paper/gpt3_tp8_pp8", "llama": "paper/llama2_70b_tp8_pp8_h100"}
@@ -49,7 +57,8 @@ GRID_STEP = 1.1  # rates probed: RATE0 x GRID_STEP^k
 RATE0 = 0.05
 ROWS_B = 4096  # B for the anchors: never binds (they cap rows by their own knobs)
 ONLY_UNIFORM = False  # --only-uniform: the anchors' offline rows (for the rate cap) only
-RATE_HEADROOM = 1.25  # rates probed: up to this x the best offline throughput (req/s)
+LIFETIMES = 1.0  # a probe's arrivals span at least this many request lives at the loosest
+#                 target (mean output x 5u): the rows reach what the rate sustains
 
 
 class Setting:
@@ -68,20 +77,27 @@ class Setting:
         self.ttft_slo = 5 * (sum(cost.stage_times([(0, prompt)], []))
                              + sum(cost.send_time(prompt, s) for s in range(1, self.pp)))
         self.runs: dict[str, dict] = {}
-        self.top = 10 ** 6  # highest grid index probed: set from the offline throughput
+        specs = generate(cfg.workload)
+        self.mean_output = sum(s.output_len for s in specs) / len(specs)
+        self.life_s = self.mean_output * max(SLO_MULTIPLES) * self.tbt_unloaded
+        uni = load_config(config, **self.base, chunk_size=None, max_batch_size=None)
+        self.wl = Workload.of([(s.prompt_len, s.output_len) for s in specs])
+        self.bound, self.cost = upper_bound(uni, self.wl, 1), cost
+        self.top = int(math.log(self.bound / RATE0) / math.log(GRID_STEP) + 1e-9)
 
-    def cap_rates(self, makespan_s: float) -> None:
-        """No rate above RATE_HEADROOM x what the fastest planner finishes offline (N /
-        makespan): faster arrivals than any schedule can serve only test how many requests
-        the KV memory absorbs in a burst of N, not a rate the pipeline sustains."""
-        top = RATE_HEADROOM * self.requests / makespan_s
-        self.top = int(math.log(top / RATE0) / math.log(GRID_STEP))
+    def requests_at(self, qps: float | None) -> int:
+        """Requests in a probe at rate qps: N, or more so that the arrivals span LIFETIMES
+        request lives at the loosest target (offline: N)."""
+        if qps is None:
+            return self.requests
+        return max(self.requests, math.ceil(qps * LIFETIMES * self.life_s))
 
     def run(self, planner: str, knobs: dict, qps: float | None) -> dict:
         key = json.dumps([planner, knobs, qps], sort_keys=True)
         if key not in self.runs:
             self.bar.set_postfix_str(f"{self.config.split('/')[-1]} {planner} {knobs} {qps}"[:70])
-            over = {**self.base, **knobs, "workload.qps": qps}
+            over = {**self.base, **knobs, "workload.qps": qps,
+                    "workload.num_requests": self.requests_at(qps)}
             if planner == "uniform":  # its defaults: the paper config's C and B are sarathi's
                 over = {"chunk_size": None, "max_batch_size": None, **over}
             else:
@@ -92,6 +108,7 @@ class Setting:
                               "throughput_tok_s": s["throughput_tok_s"],
                               "bubble": s["bubble_fraction"], "tbt_p99": s["tbt_s"]["p99"],
                               "tbt_p50": s["tbt_s"]["median"], "ttft_p99": s["ttft_s"]["p99"],
+                              "requests": s["num_requests"],
                               "failed": s["num_requests"] - s["finish_reasons"].get("length", 0)}
             self.bar.update()
         return self.runs[key]
@@ -119,6 +136,33 @@ class Setting:
         return rate(lo), self.run(planner, knobs, rate(lo))
 
 
+def slo_bound(cost, wl: Workload, pp: int, tbt_s: float) -> float:
+    """Requests per second that no schedule of a pipeline of pp stages carries within a TBT
+    target tbt_s, beside the work bound (the ceiling of a cell's capacities): a request's
+    next decode enters the pipeline only once its token is back, so its round is at least
+    pp micro-batches through the slowest stage, and in a steady load any pp consecutive
+    micro-batches fit in tbt_s: on average each takes at most tbt_s / pp of a stage. The
+    most tokens any of them carries is then n*, the largest micro-batch that fits in that
+    slot (a stage's time per token falls with n: the weights are read once per
+    micro-batch), so every token costs at least t(n*) / n* of each stage, beside each
+    request's decode attention (as `upper_bound`). Sends between stages are left out and
+    1 % of the gaps may pass a p99 target: an optimistic ceiling, not a proof."""
+    slot = tbt_s / pp
+    fits = lambda n: max(cost.stage_times([(0, n)], [])) <= slot  # noqa: E731
+    lo, hi = 0, 1
+    while fits(hi) and hi < 1 << 20:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    if lo == 0:
+        return 0.0
+    per_token = [t / lo for t in cost.stage_times([(0, lo)], [])]
+    one, more = cost.stage_times([], [1]), cost.stage_times([], [1025])
+    per_key = [max(0.0, (b - a) / 1024) for a, b in zip(one, more)]
+    return 1 / max(t * wl.tokens + k * wl.keys for t, k in zip(per_token, per_key))
+
+
 def anchors() -> list[tuple[str, str, dict]]:
     rows = [("sarathi-serve", f"C {c}", {"chunk_size": c}) for c in SERVE_CHUNKS]
     rows += [("gllm", f"maxp {m}", {"gllm_maxp": m}) for m in GLLM_MAXP]
@@ -134,13 +178,15 @@ def one_setting(st: Setting, label: str) -> dict:
         cur = out["offline"].get(planner)
         if cur is None or r["makespan_s"] < cur["makespan_s"]:
             out["offline"][planner] = {**r, "knobs": name}
-    st.cap_rates(min(v["makespan_s"] for v in out["offline"].values()))
-    out["max_rate"] = RATE0 * GRID_STEP ** st.top
+    out["max_rate"], out["work_bound"] = RATE0 * GRID_STEP ** st.top, st.bound
+    out["offline_rate"] = st.requests / min(v["makespan_s"] for v in out["offline"].values())
+    out["life_s"] = st.life_s
     for mult in SLO_MULTIPLES:
         slo = mult * st.tbt_unloaded
         uni_knobs = {"tbt_slo_ms": slo * 1e3, "ttft_slo_ms": st.ttft_slo * 1e3}
         cap, run = st.capacity("uniform", uni_knobs, slo)
-        cell = {"slo_x": mult, "tbt_slo_s": slo, "uniform": {"qps": cap, "run": run}}
+        cell = {"slo_x": mult, "tbt_slo_s": slo, "uniform": {"qps": cap, "run": run},
+                "slo_bound": min(st.bound, slo_bound(st.cost, st.wl, st.pp, slo))}
         for planner in () if ONLY_UNIFORM else ("sarathi-serve", "gllm"):
             best = max(((st.capacity(planner, knobs, slo), name) for p, name, knobs in anchors()
                         if p == planner), key=lambda x: x[0][0])
@@ -164,9 +210,12 @@ def print_setting(res: dict) -> None:
     print(f"\n### {res['setting']}: unloaded TBT {res['tbt_unloaded_s'] * 1e3:.1f} ms, "
           f"TTFT target (p99) {res['ttft_slo_s']:.2f} s, rates probed up to "
           f"{res['max_rate']:.3f} req/s\n")
+    print(f"(work bound {res['work_bound']:.3f} req/s; the fastest offline run finished "
+          f"{res['offline_rate']:.3f} req/s; a probe at q req/s holds at least "
+          f"q x {res['life_s']:.1f} s of arrivals)\n")
     print("| TBT SLO | uniform (defaults) | sarathi-serve best | gllm best | uniform ÷ best anchor "
-          "| uniform TBT p99 | uniform bubble |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| uniform TBT p99 | uniform bubble | SLO bound | uniform, best anchor ÷ SLO bound |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c in res["cells"]:
         u, ss, g = c["uniform"], c["sarathi-serve"], c["gllm"]
         best = max(ss["qps"], g["qps"])
@@ -174,7 +223,8 @@ def print_setting(res: dict) -> None:
         run = u["run"] or {}
         print(f"| {c['slo_x']}x = {c['tbt_slo_s'] * 1e3:.0f} ms | {u['qps']:.3f} req/s "
               f"| {ss['qps']:.3f} ({ss['knobs']}) | {g['qps']:.3f} ({g['knobs']}) | {ratio:.3f} "
-              f"| {run.get('tbt_p99', math.nan) * 1e3:.0f} ms | {run.get('bubble', math.nan):.2%} |")
+              f"| {run.get('tbt_p99', math.nan) * 1e3:.0f} ms | {run.get('bubble', math.nan):.2%} "
+              f"| {c['slo_bound']:.3f} | {u['qps'] / c['slo_bound']:.2f}, {best / c['slo_bound']:.2f} |")
     off = res["offline"]
     best = min(v["makespan_s"] for k, v in off.items() if k != "uniform")
     print(f"| none (all at once) | makespan {off['uniform']['makespan_s']:.1f} s "

@@ -1,7 +1,7 @@
 """Is the goodput ranking stable in the probe size? The capacity of `uniform` at its
 defaults and of the best anchor row of `benchmarks/goodput.py` (Sarathi-Serve, chunk 128)
-at each TBT target, with N and 2N requests per probe, side by side (same grid, targets and
-rate cap rule as goodput.py; the cap from each N's own offline runs).
+at each TBT target, with N and 2N requests per probe, side by side (same grid, targets,
+rates up to the work bound and probe lengths as goodput.py: a probe holds at least N).
 
     python benchmarks/goodput_stability.py [--models gpt3] [--pd 1,10] [--requests 1000]
 """
@@ -16,8 +16,6 @@ from goodput import MODELS, SLO_MULTIPLES, Setting
 
 def capacities(model: str, pd: float, n: int, chunk: int, bar: tqdm) -> dict:
     st = Setting(MODELS[model], n, pd, bar)
-    offline = [st.run("uniform", {}, None), st.run("sarathi-serve", {"chunk_size": chunk}, None)]
-    st.cap_rates(min(r["makespan_s"] for r in offline))
     out = {}
     for mult in SLO_MULTIPLES:
         slo = mult * st.tbt_unloaded
