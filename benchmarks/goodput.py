@@ -29,14 +29,19 @@ For each setting:
 Every planner gets the same KV bytes (the config's kv_slots contexts, as 16-token pages).
 
     python benchmarks/goodput.py [--requests 1000] [--pd 1,3,10] [--models gpt3,llama]
-                                 [--out runs/goodput]
+                                 [--out runs/goodput] [--jobs N]
+
+Settings run side by side, one process each (`--jobs`, default the cores).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from tqdm import tqdm
@@ -268,6 +273,20 @@ def pareto(st: Setting, res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def run_setting(model: str, pd: float, requests: int, only_uniform: bool, out: Path,
+                bar: tqdm | None = None) -> dict:
+    """One setting whole (its offline rows, every target's capacities, its Pareto figure);
+    in a worker process of `--jobs` or in this one (bar: the progress bar, None in a worker)."""
+    global ONLY_UNIFORM
+    ONLY_UNIFORM = only_uniform
+    label = f"{MODELS[model]}, P:D {pd:g}, {requests} requests"
+    st = Setting(MODELS[model], requests, pd, bar or tqdm(disable=True))
+    res = one_setting(st, label)
+    pareto(st, res, out / f"pareto_{model}_pd{pd:g}.png")
+    res["simulations"] = len(st.runs)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000)
@@ -276,28 +295,48 @@ def main() -> None:
     ap.add_argument("--out", default="runs/goodput")
     ap.add_argument("--only-uniform", action="store_true",
                     help="capacity of uniform only (the anchors' code unchanged since a full run)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="settings simulated side by side, one process each (default: the "
+                         "cores, at most one per setting; the simulator's clock is virtual, so "
+                         "the figures do not depend on it)")
     args = ap.parse_args()
+    settings = [(m, float(x)) for m in args.models.split(",") for x in args.pd.split(",")]
+    bad = [m for m, _ in settings if m not in MODELS]
+    if bad or args.requests < 1 or (args.jobs is not None and args.jobs < 1):
+        ap.error(f"--models takes {', '.join(MODELS)}" if bad else
+                 "--requests and --jobs must be >= 1")
     global ONLY_UNIFORM
-    ONLY_UNIFORM = args.only_uniform
+    ONLY_UNIFORM = args.only_uniform  # print_setting reads it here; run_setting in a worker
+    jobs = args.jobs or max(1, min(os.cpu_count() or 1, len(settings)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0, results = time.perf_counter(), []
-    with tqdm(desc="goodput", unit="sim") as bar:
-        for model in args.models.split(","):
-            for pd in (float(x) for x in args.pd.split(",")):
-                label = f"{MODELS[model]}, P:D {pd:g}, {args.requests} requests"
-                st = Setting(MODELS[model], args.requests, pd, bar)
-                res = one_setting(st, label)
-                results.append(res)
-                pareto(st, res, out / f"pareto_{model}_pd{pd:g}.png")
-                tqdm.write(f"{label}: done at {time.perf_counter() - t0:.0f} s")
-                print_setting(res)  # as it comes: a long run shows its settings one by one
-                (out / "goodput.json").write_text(json.dumps(results, indent=1, default=str))
+    t0, results = time.perf_counter(), {}
+
+    def done(key: tuple[str, float], res: dict) -> None:
+        results[key] = res
+        tqdm.write(f"{res['setting']}: done at {time.perf_counter() - t0:.0f} s")
+        print_setting(res)  # as it comes: a long run shows its settings one by one
+        ordered = [results[k] for k in settings if k in results]
+        (out / "goodput.json").write_text(json.dumps(ordered, indent=1, default=str))
+
+    if jobs == 1:
+        with tqdm(desc="goodput", unit="sim") as bar:
+            for model, pd in settings:
+                done((model, pd), run_setting(model, pd, args.requests, args.only_uniform, out, bar))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=ctx) as pool, \
+                tqdm(desc="goodput", unit="setting", total=len(settings)) as bar:
+            futures = {pool.submit(run_setting, m, pd, args.requests, args.only_uniform, out): (m, pd)
+                       for m, pd in settings}
+            for fut in as_completed(futures):
+                done(futures[fut], fut.result())
+                bar.update()
     print("\n## All settings")
-    for res in results:
-        print_setting(res)
-    print(f"\nsimulated in {time.perf_counter() - t0:.0f} s; figures and goodput.json in {out}")
-    (out / "goodput.json").write_text(json.dumps(results, indent=1, default=str))
+    for key in settings:
+        print_setting(results[key])
+    print(f"\nsimulated in {time.perf_counter() - t0:.0f} s ({jobs} process(es)); figures and "
+          f"goodput.json in {out}")
 
 
 if __name__ == "__main__":
