@@ -1,0 +1,74 @@
+"""benchmarks/goodput.py's rate ceiling and probe length, by hand on a toy cost model: the
+SLO ceiling (`slo_bound`), the requests a probe holds (`Setting.requests_at`), and the
+rates it probes (up to the work bound, not the offline throughput)."""
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))  # goodput imports nothing of benchmarks/, but its siblings do
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+goodput = _load("goodput")
+
+
+class Affine:
+    """Each of `stages` stages: W seconds a micro-batch, C per token, A per key a decode reads."""
+
+    W, C, A = 2e-3, 1e-5, 1e-8
+
+    def __init__(self, stages: int = 4, slow_last: float = 1.0):
+        self.stages, self.slow_last = stages, slow_last
+
+    def stage_times(self, prefills, decodes):
+        tokens = sum(n for _, n in prefills) + len(decodes)
+        t = self.W + self.C * tokens + self.A * sum(decodes)
+        return [t] * (self.stages - 1) + [t * self.slow_last]
+
+
+def test_the_slo_ceiling_is_the_largest_micro_batch_in_a_share_of_the_target():
+    wl = goodput.Workload(tokens=1000.0, keys=50_000.0)
+    tbt, pp = 0.048, 4  # a 12 ms share each: n* = (12 ms - W) / C = 1000 tokens
+    n = math.floor((tbt / pp - Affine.W) / Affine.C + 1e-9)
+    assert n == 1000
+    # the keys' price is a decode's seconds per key: stage_times([], [1025]) - ([], [1]), / 1024
+    per_request = (Affine.W + Affine.C * n) / n * wl.tokens + Affine.A * wl.keys
+    assert goodput.slo_bound(Affine(pp), wl, pp, tbt) == pytest.approx(1 / per_request, rel=1e-9)
+    # the slowest stage bounds it: twice the time on the last stage, so n* is what fits in
+    # half the share there (400 tokens), and that stage's time per token prices it
+    slow = Affine(pp, slow_last=2.0)
+    n2 = math.floor((tbt / pp / 2 - Affine.W) / Affine.C + 1e-9)
+    per_request2 = 2 * ((Affine.W + Affine.C * n2) / n2 * wl.tokens + Affine.A * wl.keys)
+    assert goodput.slo_bound(slow, wl, pp, tbt) == pytest.approx(1 / per_request2, rel=1e-9)
+    # a target whose share holds no token: nothing is carried
+    assert goodput.slo_bound(Affine(pp), wl, pp, pp * Affine.W / 2) == 0.0
+
+
+def test_a_probe_spans_a_request_s_life_at_the_loosest_target():
+    st = goodput.Setting.__new__(goodput.Setting)  # the two fields requests_at reads
+    st.requests, st.life_s = 400, 72.6
+    assert st.requests_at(None) == 400  # offline: every request at once, N
+    assert st.requests_at(2.0) == 400  # 145.2 requests' worth of arrivals: N is more
+    assert st.requests_at(43.436) == math.ceil(43.436 * 72.6) == 3154
+
+
+def test_rates_are_probed_up_to_the_work_bound_not_the_offline_throughput():
+    st = goodput.Setting("paper/llama2_70b_tp8_pp8_h100", 400, 1.0, goodput.tqdm(disable=True))
+    top = goodput.RATE0 * goodput.GRID_STEP ** st.top
+    assert top <= st.bound < top * goodput.GRID_STEP  # the highest grid rate under the bound
+    assert st.bound > 40  # req/s: LLaMA-2-70B P:D 1's work bound, ~4x its offline rate (11.7)
+    # a request's life at 5x the unloaded time between tokens
+    assert st.life_s == pytest.approx(st.mean_output * 5 * st.tbt_unloaded)
