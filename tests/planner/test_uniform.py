@@ -138,6 +138,26 @@ def test_the_tbt_target_cuts_the_chunk_by_the_round():
     assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 656, False)]
 
 
+@pytest.mark.parametrize("ttft_ms,chunk", [(None, 406), (110.0, 996)])
+def test_an_admitted_prompt_near_its_ttft_target_takes_up_to_t(ttft_ms, chunk):
+    """S = 30 ms, pp 2, 2 in flight; request 0 decodes (its last token at 0), request 1's
+    5000-token prompt is admitted (the queue is empty) and the micro-batch is composed at
+    10 ms. The round's deadline: 0.95 x 30 = 28.5 ms; the decode alone ends at 10 + 2 x
+    1.111 = 12.222 ms; half of the slack: 20.361 ms >= 10 + 2 x (1.111 + 0.01 n) -> n = 406.
+    With a TTFT target of 110 ms the prompt needs 5000 tokens over the micro-batches left
+    before its deadline: 110 - 10 - 2 x T (T = 14.25 ms) = 71.5 ms, 5.02 of them: 996 a
+    micro-batch; that much goes, past the round's deadline (all of the slack would be 813)
+    but within T (1 + 0.01 (n + 1) + 0.101 <= 14.25 ms -> n <= 1313)."""
+    extra = {} if ttft_ms is None else {"ttft_slo_ms": ttft_ms}
+    p = toy(in_flight=2, tbt_slo_ms=30.0, **extra)
+    add(p, 0, 100, 50)
+    first = p.schedule(0.0)
+    p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
+    add(p, 1, 5000, 4)
+    mb = p.schedule(0.010)
+    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, chunk, False)]
+
+
 def test_beside_a_decode_the_chunk_is_what_fits_even_below_k_over_8():
     """As above with S = 10 ms: the bound is 2.222 + 0.5 x (9.5 - 2.222) = 5.861 ms >=
     2 x (1.101 + 0.01 (n + 1)) ms -> n + 1 <= 182.95: n = 181, under K / 8 = 224 (a
