@@ -222,20 +222,19 @@ class UniformPlanner(BasePlanner):
         b = self.budget
         if b.ttft_slo_s is None:
             return 0
-        per_mb = b.base_s  # seconds of one micro-batch
-        tokens = 0
-        need = 0.0
+        per_mb, need, tokens = b.base_s, 0.0, 0  # seconds of one micro-batch
+
+        def share(tokens: int, r: Request) -> float:  # over the micro-batches left for r
+            return tokens * per_mb / max(b.ttft_slo_s - (now - r.arrival_s) - self.pp * per_mb, per_mb)
         for r in prefilling:
             tokens += r.prefill_len - r.num_scheduled
-            slack = b.ttft_slo_s - (now - r.arrival_s) - self.pp * per_mb
-            need = max(need, tokens * per_mb / max(slack, per_mb))
+            need = max(need, share(tokens, r))
         tokens = left
         for i, r in enumerate(self.waiting):
             if i == QUEUE_LOOKAHEAD or r.arrival_s > now:
                 break
             tokens += r.prefill_len
-            slack = b.ttft_slo_s - (now - r.arrival_s) - self.pp * per_mb
-            need = max(need, tokens * per_mb / max(slack, per_mb))
+            need = max(need, share(tokens, r))
         return int(need)
 
     # ---- composing ---------------------------------------------------------------------
