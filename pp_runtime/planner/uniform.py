@@ -3,9 +3,10 @@
 The budget (`planner/budget.py`): K, the cost model's throughput knee (tokens per
 micro-batch, decodes included, past which more tokens stop lowering the time per token),
 and with a TBT target S (`planner.tbt_slo_ms`) the pipeline clock: a micro-batch may come
-back no later than 0.95 x S after the last token of each decode it carries (its predicted
-return includes the wait behind every micro-batch in flight). With no target only K bounds it, so an offline batch runs
-at the knee. Each micro-batch:
+back no later than margin x S after the last token of each decode it carries (its predicted
+return includes the wait behind every micro-batch in flight; the margin is 0.95, less where
+micro-batches come back later than planned: `TimeBudget.late`). With no target only K
+bounds it, so an offline batch runs at the knee. Each micro-batch:
 
   1. decodes first, spread evenly: at most ceil(R / pp) of the R requests decoding, oldest
      first (gLLM's balanced decode budget), so every micro-batch of a round carries its
@@ -30,7 +31,7 @@ Rows are bounded by KV pages and by time, not by a hand count:
     (`RESERVE`) of the growth the running requests still owe (their expected output:
     `max_tokens` times the share finished requests used);
   - with a TBT target, admission also stops at the rows the period holds: depth x the
-    decodes d that fit in T = 0.95 x S / depth beside the prompt tokens that keep pace with
+    decodes d that fit in T = margin x S / depth beside the prompt tokens that keep pace with
     them (d x the requests' prompt tokens per output token), at the running requests' mean
     mid-life KV length; with a TTFT target `planner.ttft_slo_ms`, what the prompts need
     per micro-batch to reach their first tokens in time (admitted ones first, then the
@@ -50,7 +51,7 @@ from pp_runtime.config import Config
 from pp_runtime.core.batch import MicroBatch, SampledTokens, SeqChunk
 from pp_runtime.core.request import Request
 from pp_runtime.planner.base import UNBOUNDED_ROWS, BasePlanner
-from pp_runtime.planner.budget import MARGIN, PipelineClock, TimeBudget, largest_at_most
+from pp_runtime.planner.budget import PipelineClock, TimeBudget, largest_at_most
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.due import TokensDue
 from pp_runtime.planner.order import SlackOrder
@@ -289,7 +290,7 @@ class UniformPlanner(BasePlanner):
         b = self.budget
         if b.tbt_slo_s is None:
             return INF
-        return self.due.first_due(now, decodes, self.clock.done) + b.tbt_slo_s * MARGIN
+        return self.due.first_due(now, decodes, self.clock.done) + b.tbt_slo_s * b.margin
 
     def fill(self, now: float, kv: list[int], prefilling: list[Request],
              bound: float, even: int) -> list[SeqChunk]:
@@ -387,7 +388,9 @@ class UniformPlanner(BasePlanner):
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         predicted = self.predicted.pop(mb.mb_id, 0.0)
-        self.clock.returned(mb.mb_id, now)
+        late = self.clock.returned(mb.mb_id, now)
+        if late is not None:
+            self.budget.late(late)
         if out.timings:  # the stage that took longest (StageTiming.compute_s, written out)
             self.budget.observe(predicted, max([t.compute_end_s - t.compute_start_s
                                                 for t in out.timings]))

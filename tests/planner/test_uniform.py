@@ -80,6 +80,46 @@ def test_the_residual_shrinks_the_period_when_the_pipeline_is_slower_than_priced
     assert b.period_s == pytest.approx(0.095 / 2, rel=1e-3)
 
 
+def test_returns_later_than_predicted_take_their_p99_out_of_the_margin():
+    """S = 300 ms, 3 in flight. The clock's errors (return - predicted) are read every 32
+    returns over the last 256: the margin is min(0.95, 1 - p99 / S). Late by up to 15 ms
+    (the room 0.95 leaves) changes nothing; 250 returns 1 ms late and 6 returns 40 ms late:
+    the p99 (the 253rd of 256, sorted) is 40 ms -> margin 1 - 0.04 / 0.3 = 0.8667, T =
+    0.8667 x 0.3 / 3 = 86.67 ms. Once they leave the window, 0.95 again."""
+    b = TimeBudget(Toy(), 3, 128, tbt_slo_s=0.3)
+    for _ in range(64):
+        b.late(0.015)
+    assert (b.margin, b.base_s) == (0.95, pytest.approx(0.095))
+    for i in range(256):
+        b.late(0.04 if i % 40 == 39 else 0.001)  # 6 of 256 late by 40 ms
+    assert b.margin == pytest.approx(1 - 0.04 / 0.3)
+    assert b.base_s == pytest.approx((1 - 0.04 / 0.3) * 0.1)
+    for _ in range(256):
+        b.late(-0.002)  # early
+    assert (b.margin, b.base_s) == (0.95, pytest.approx(0.095))
+    hand = TimeBudget(Toy(), 3, 128, 0.3, target_s=0.02)  # target_ms: T stays, the deadline moves
+    for _ in range(32):
+        hand.late(0.2)
+    assert (hand.margin, hand.base_s) == (0.5, 0.02)  # at most half the target
+
+
+def test_a_late_pipeline_plans_its_rounds_to_a_smaller_margin():
+    """As test_the_tbt_target_cuts_the_chunk_by_the_round, after 32 returns 6 ms later than
+    the clock predicted (p99 6 ms of S = 30 ms: margin 0.8): the deadline is 0.8 x 30 = 24
+    ms, half of the slack 2.222 + 0.5 x 21.778 = 13.111 ms >= 2 x (1.101 + 0.01 (n + 1))
+    ms -> n + 1 <= 545.5: n = 544 (656 with the margin 0.95)."""
+    p = toy(in_flight=2, tbt_slo_ms=30.0)
+    for _ in range(32):
+        p.budget.late(0.006)
+    assert p.budget.margin == pytest.approx(0.8)
+    add(p, 0, 100, 50)
+    first = p.schedule(0.0)
+    p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
+    add(p, 1, 5000, 4)
+    mb = p.schedule(0.0)
+    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 544, False)]
+
+
 def test_plentiful_prefill_fills_the_knee():
     """No target, no decodes, prompts of 4 x K tokens waiting: every micro-batch takes K."""
     p = toy()
