@@ -28,6 +28,17 @@ def toy(pp=2, **extra):
     return UniformPlanner(cfg, Toy())
 
 
+def beside_a_decode(p, now=0.0):
+    """Request 0 (100 prompt tokens) computed alone, its first token back at 0; request 1's
+    5000-token prompt arrives: (request, tokens, is_decode) of the micro-batch composed at
+    `now`."""
+    add(p, 0, 100, 50)
+    first = p.schedule(0.0)  # the prompt, alone
+    p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
+    add(p, 1, 5000, 4)
+    return [(s.request_id, s.num_tokens, s.is_decode) for s in p.schedule(now).seqs]
+
+
 def test_the_knee_is_where_time_per_token_stops_falling():
     """Per token: 1/n ms + 0.01 ms; the best up to 16384 tokens is 0.0100610 ms; within 5 %
     (0.0105641 ms) needs 1/n <= 0.0005641, n >= 1773: the next whole tile of 128 is 1792."""
@@ -112,12 +123,7 @@ def test_a_late_pipeline_plans_its_rounds_to_a_smaller_margin():
     for _ in range(32):
         p.budget.late(0.006)
     assert p.budget.margin == pytest.approx(0.8)
-    add(p, 0, 100, 50)
-    first = p.schedule(0.0)
-    p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
-    add(p, 1, 5000, 4)
-    mb = p.schedule(0.0)
-    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 544, False)]
+    assert beside_a_decode(p) == [(0, 1, True), (1, 544, False)]
 
 
 def test_plentiful_prefill_fills_the_knee():
@@ -170,12 +176,7 @@ def test_the_tbt_target_cuts_the_chunk_by_the_round():
     (SLACK_SHARE): 2.222 + 0.5 x 26.278 = 15.361 ms >= 2 x (1.101 + 0.01 (n + 1)) ms
     -> n + 1 <= 657.95: n = 656."""
     p = toy(in_flight=2, tbt_slo_ms=30.0)
-    add(p, 0, 100, 50)
-    first = p.schedule(0.0)  # the prompt, alone
-    p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
-    add(p, 1, 5000, 4)
-    mb = p.schedule(0.0)
-    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 656, False)]
+    assert beside_a_decode(p) == [(0, 1, True), (1, 656, False)]
 
 
 @pytest.mark.parametrize("ttft_ms,chunk", [(None, 406), (110.0, 996)])
@@ -190,12 +191,7 @@ def test_an_admitted_prompt_near_its_ttft_target_takes_up_to_t(ttft_ms, chunk):
     but within T (1 + 0.01 (n + 1) + 0.101 <= 14.25 ms -> n <= 1313)."""
     extra = {} if ttft_ms is None else {"ttft_slo_ms": ttft_ms}
     p = toy(in_flight=2, tbt_slo_ms=30.0, **extra)
-    add(p, 0, 100, 50)
-    first = p.schedule(0.0)
-    p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
-    add(p, 1, 5000, 4)
-    mb = p.schedule(0.010)
-    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, chunk, False)]
+    assert beside_a_decode(p, 0.010) == [(0, 1, True), (1, chunk, False)]
 
 
 def test_beside_a_decode_the_chunk_is_what_fits_even_below_k_over_8():
@@ -203,12 +199,7 @@ def test_beside_a_decode_the_chunk_is_what_fits_even_below_k_over_8():
     2 x (1.101 + 0.01 (n + 1)) ms -> n + 1 <= 182.95: n = 181, under K / 8 = 224 (a
     chunk of K / 8 beside the decode would break its time between tokens)."""
     p = toy(in_flight=2, tbt_slo_ms=10.0)
-    add(p, 0, 100, 50)
-    first = p.schedule(0.0)
-    p.on_result(first, SampledTokens(first.mb_id, {0: 7}), 0.0)
-    add(p, 1, 5000, 4)
-    mb = p.schedule(0.0)
-    assert [(s.request_id, s.num_tokens, s.is_decode) for s in mb.seqs] == [(0, 1, True), (1, 181, False)]
+    assert beside_a_decode(p) == [(0, 1, True), (1, 181, False)]
 
 
 def test_a_token_on_its_way_bounds_the_prompt_chunk_ahead_of_its_next_decode():
