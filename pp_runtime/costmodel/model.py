@@ -18,6 +18,7 @@ alone is a Python list indexed by T (grown on demand); the rest are closed forms
 """
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -88,6 +89,24 @@ def table(p: Priced | None, size: int) -> np.ndarray:
     return np.maximum.accumulate(values)
 
 
+
+_TABLES: "weakref.WeakKeyDictionary[Pricing, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _tables(p: Pricing, size: int) -> tuple:
+    """`StageCostModel._grow`'s tables for token counts [0, size) of one pricing."""
+    ops = {name: table(op, size) for name, op in p.layer.items()}
+    attn = sum((ops[n] for n in ATTENTION_HALF if n in ops), np.zeros(size))
+    shared = sum((ops[n] for n in SHARED if n in ops), np.zeros(size))
+    return ({name: values.tolist() for name, values in ops.items()},  # s per layer, by op
+            sum(ops.values(), np.zeros(size)).tolist(),  # all of them, one layer
+            (attn + shared / 2).tolist(),  # one layer's attention half, less attention
+            table(p.embedding, size).tolist(),
+            table(p.lm_head, size).tolist(),  # by sampling rows
+            {True: table(p.send_inter, size).tolist(), False: table(p.send_intra, size).tolist()},
+            table(p.gather, size).tolist())
+
+
 class StageCostModel:
     """Seconds of compute per stage for a micro-batch; seconds to send it between stages."""
 
@@ -114,20 +133,15 @@ class StageCostModel:
         self._grow(longest + cfg.batch_rows + 1)
 
     def _grow(self, size: int) -> None:
-        """Per-token-count tables (Python lists: no numpy scalars on the hot path)."""
-        p = self.pricing
-        ops = {name: table(op, size) for name, op in p.layer.items()}
-        self._ops = {name: values.tolist() for name, values in ops.items()}  # s per layer
-        self._layer = sum(ops.values(), np.zeros(size)).tolist()  # all of them, one layer
-        attn = sum((ops[n] for n in ATTENTION_HALF if n in ops), np.zeros(size))
-        shared = sum((ops[n] for n in SHARED if n in ops), np.zeros(size))
-        self._attn_half = (attn + shared / 2).tolist()  # one layer's attention half, less attention
-        self._emb = table(p.embedding, size).tolist()
-        self._head = table(p.lm_head, size).tolist()  # by sampling rows
-        self._send = {True: table(p.send_inter, size).tolist(),
-                      False: table(p.send_intra, size).tolist()}
-        self._gather = table(p.gather, size).tolist()
-        self._size = size
+        """Per-token-count tables (Python lists: no numpy scalars on the hot path), shared by
+        every cost model built on the same `Pricing` object (`_TABLES`: the plan builds one
+        per layout on a few pricings) and never written after they are built."""
+        kept = _TABLES.get(self.pricing)
+        if kept is None or kept[0] < size:
+            kept = _TABLES[self.pricing] = (size, _tables(self.pricing, size))
+        (self._ops, self._layer, self._attn_half, self._emb, self._head, self._send,
+         self._gather) = kept[1]
+        self._size = kept[0]
 
     # ---- the hot path -----------------------------------------------------------------
     def parts(self, prefills: Sequence[tuple[int, int]],

@@ -129,6 +129,7 @@ def batch_size(cfg: Config, lengths: list[int], in_flight: int) -> int:
 
 
 _COSTS: dict = {}
+_PRICINGS: dict = {}  # (model, hardware, tp) -> Pricing (`cost_model`)
 _SPLITS: dict = {}
 
 
@@ -138,21 +139,26 @@ def cost_model(cfg: Config, replicas: int = 1):
     demand), and building one reads the profile's tables. With `replicas` > 1 on this
     machine's CPU, priced with the calibration of that many replicas served side by side
     where one was measured (`calibrated.shared`; plan/shared.py)."""
-    from pp_runtime.costmodel import build_cost_model
-    from pp_runtime.costmodel.model import StageCostModel, build_pricing
+    from pp_runtime.costmodel.model import StageCostModel, build_pricing, find_calibration
     from pp_runtime.plan.calibrated import shared
 
     cal = shared(cfg, replicas)
     key = (cfg.model, cfg.hardware, cfg.runtime, cfg.parallel.tp, tuple(cfg.layers_per_stage()),
            cal and cal.key)
     if key not in _COSTS:
-        _COSTS[key] = StageCostModel(cfg, build_pricing(cfg), cal) if cal else build_cost_model(cfg)
+        # one pricing per (model, hardware, tp): its per-token tables are built once and
+        # shared by every layout's cost model (costmodel/model.py `_TABLES`)
+        at = (cfg.model, cfg.hardware, cfg.parallel.tp)
+        if at not in _PRICINGS:
+            _PRICINGS[at] = build_pricing(cfg)
+        _COSTS[key] = StageCostModel(cfg, _PRICINGS[at], cal or find_calibration(cfg))
     return _COSTS[key]
 
 
 def forget() -> None:
     """Drop the cost models and splits built so far (the profile's calibration changed)."""
     _COSTS.clear()
+    _PRICINGS.clear()
     _SPLITS.clear()
 
 

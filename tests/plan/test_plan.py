@@ -185,3 +185,29 @@ def test_uniform_runs_a_chunk_size_past_its_knee_as_the_knee():
     for s in runs:
         s.pop("run_wall_s"), s.pop("deployment")
     assert runs[0] == runs[1]
+
+
+def test_layouts_on_one_pricing_share_its_tables_and_price_as_if_alone():
+    """The plan builds one cost model per layout; those of one (model, hardware, tp) share
+    one pricing and its per-token tables (built once, grown once), and each prices every
+    micro-batch exactly as a cost model built alone (`build_cost_model`) does."""
+    from pp_runtime.config import Config, load_model_config
+    from pp_runtime.costmodel import build_cost_model
+    from pp_runtime.plan import space
+
+    space.forget()
+    base = Config(model=load_model_config("gpt3-175b")).with_overrides(tp=8)
+    cfgs = [base.with_overrides(pp=pp) for pp in (2, 4, 8)]
+    models = [space.cost_model(c) for c in cfgs]
+    assert len({id(m.pricing) for m in models}) == 1
+    assert models[0]._layer is models[2]._layer  # one table, not three
+    other = space.cost_model(base.with_overrides(tp=4, pp=4))
+    assert other.pricing is not models[0].pricing
+    mbs = [([(0, 512)], []), ([(100, 37)], [300] * 20), ([], [9000] * 5), ([(0, 20000)], [1])]
+    for c, m in zip([*cfgs, base.with_overrides(tp=4, pp=4)], [*models, other]):
+        alone = build_cost_model(c)
+        for mb in mbs:  # the last one grows the shared tables past what any model built
+            assert m.stage_times(*mb) == alone.stage_times(*mb)
+            assert [m.send_time(n, 1) for n in (1, 700, 30000)] == \
+                [alone.send_time(n, 1) for n in (1, 700, 30000)]
+    space.forget()
