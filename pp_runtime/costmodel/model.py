@@ -89,7 +89,6 @@ def table(p: Priced | None, size: int) -> np.ndarray:
     return np.maximum.accumulate(values)
 
 
-
 _TABLES: "weakref.WeakKeyDictionary[Pricing, tuple]" = weakref.WeakKeyDictionary()
 
 

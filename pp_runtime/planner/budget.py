@@ -139,9 +139,9 @@ class TimeBudget:
 
     def late(self, error_s: float) -> None:
         """A micro-batch came back `error_s` after the return the clock predicted when it
-        was planned (negative: early).
-        Every TAIL_EVERY returns the margin becomes min(0.95, 1 - p99 / S) of the last
-        TAIL_WINDOW errors (at least MIN_MARGIN), and T follows it."""
+        was planned (negative: early). Every TAIL_EVERY returns the margin becomes
+        min(0.95, 1 - p99 / S) of the last TAIL_WINDOW of them (at least MIN_MARGIN), and
+        T follows it."""
         if self.tbt_slo_s is None:
             return
         errors, room = self.errors, self.room
