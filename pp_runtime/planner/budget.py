@@ -137,12 +137,12 @@ class TimeBudget:
         self.residual += weight * (ratio - self.residual)
         self.observed += 1
 
-    def late(self, error_s: float) -> None:
+    def late(self, error_s: float | None) -> None:
         """A micro-batch came back `error_s` after the return the clock predicted when it
-        was planned (negative: early). Every TAIL_EVERY returns the margin becomes
-        min(0.95, 1 - p99 / S) of the last TAIL_WINDOW of them (at least MIN_MARGIN), and
-        T follows it."""
-        if self.tbt_slo_s is None:
+        was planned (negative: early; None: one the clock did not predict). Every
+        TAIL_EVERY returns the margin becomes min(0.95, 1 - p99 / S) of the last
+        TAIL_WINDOW of them (at least MIN_MARGIN), and T follows it."""
+        if self.tbt_slo_s is None or error_s is None:
             return
         errors, room = self.errors, self.room
         if len(errors) == TAIL_WINDOW and errors[0] > room:

@@ -59,12 +59,9 @@ from pp_runtime.planner.order import SlackOrder
 MAX_PACKED = 16  # prefill chunks in one micro-batch, at most
 QUEUE_LOOKAHEAD = 8  # waiting requests whose TTFT deadlines set the prefill share
 INF = float("inf")
-SLACK_SHARE = 0.5  # of the slack before the round's deadline, what one micro-batch takes.
-#                    Each one takes its share of what the ones ahead left, so in a steady
-#                    round of depth d they fill d s / (1 + (d - 1) s) of the slack: at d = 8,
-#                    a quarter left 27 % unused (p99 TBT 26 ms of a 38 ms target while the
-#                    TTFT target was missed), half leaves 11 %; all of it made the next ones
-#                    wait with none left (full and decode-only alternating, bubble 19-27 %)
+SLACK_SHARE = 0.5  # of the slack before the round's deadline, what one micro-batch takes
+#                    (a steady round of depth d fills d s / (1 + (d - 1) s) of it; a quarter
+#                    and all of it measured worse: docs/planner.md, "The round")
 RESERVE = 0.3  # share of the running requests' expected growth admission keeps free (gLLM
 #               reserves 0.7 -> 0.1 of it; a preemption recomputes what the rest misses)
 
@@ -216,10 +213,8 @@ class UniformPlanner(BasePlanner):
         """Prompt tokens per micro-batch that bring the admitted prompts (`prefilling`, in
         order, `left` tokens in all) and then the first waiting requests to their first
         token within the TTFT target (0 without one): for each, the prompt tokens up to and
-        including its own over the micro-batches left before its deadline. Admitted
-        prompts count: where pages are plentiful a request is admitted at once, and its
-        wait is for its first chunk (LLaMA-2-70B P:D 1, 5x target, 43.4 req/s: p90 290 ms
-        behind admitted prompts, with an empty queue)."""
+        including its own over the micro-batches left before its deadline (admitted ones
+        count: with pages plentiful a request waits for its first chunk, not in the queue)."""
         b = self.budget
         if b.ttft_slo_s is None:
             return 0
@@ -267,10 +262,9 @@ class UniformPlanner(BasePlanner):
 
     def tokens_back(self, now: float, sources) -> float:
         """The earliest stage 0 may start a micro-batch whose decodes planned ahead wait for
-        the tokens of micro-batches `sources` (None: none on its way): the predicted return
-        of the latest of them plus the hop of one token to stage 0 (as the simulated
-        executor prices it); `now` when not planning ahead. The clock otherwise starts the
-        micro-batch as soon as stage 0 is free and predicts its return early."""
+        the tokens of micro-batches `sources` (None: none on its way): the latest one's
+        predicted return plus one token's hop to stage 0 (as the simulator prices it);
+        `now` when not planning ahead."""
         if not self.ahead:
             return now
         return self.clock.start_after(now, sources, self.hop_s)
@@ -281,12 +275,10 @@ class UniformPlanner(BasePlanner):
     carrying = property(lambda self: self.due.carrying)
 
     def round_bound(self, now: float, decodes: list[int]) -> float:
-        """The latest the next micro-batch may come back (TBT target; inf without): 0.95 x S
-        after the last token of each ready decode, the ones it carries and the ones left to
-        the micro-batches behind it (which come back after it), and after the predicted
-        return of each token on its way (that request's next decode follows this one). The
-        pipeline clock's completion includes the wait behind every micro-batch in flight, so a heavy
-        micro-batch ahead (a burst of prompts after a lull) leaves this one less room."""
+        """The latest the next micro-batch may come back (inf without a TBT target): margin x
+        S after the last token of each ready decode (those it carries and those left to the
+        micro-batches behind it) and after the predicted return of each token on its way.
+        The clock's completion includes the wait behind every micro-batch in flight."""
         b = self.budget
         if b.tbt_slo_s is None:
             return INF
@@ -326,16 +318,24 @@ class UniformPlanner(BasePlanner):
         r = tokens % self.tile
         if r == 0 or r >= chunks[-1][1] or tokens <= self.tile:
             return 0
-        b, (start, n) = self.budget, chunks[-1]
-        with_chunk = getattr(b.cost, "with_chunk", None)
-        priced = with_chunk(chunks[:-1], kv) if with_chunk is not None else None
-        if priced is None:
-            full = b.time(chunks, kv)
-            trimmed = b.time([*chunks[:-1], (start, n - r)], kv)
-        else:  # b.time's max over the stages, the rest priced once
-            full, trimmed = (max(a, c) if m is None else max(a, m, c)
-                             for a, m, c in (priced(start, n), priced(start, n - r)))
+        start, n = chunks[-1]
+        time = self.time_with(chunks[:-1], kv)
+        full, trimmed = time(start, n), time(start, n - r)
         return r if (full - trimmed) / r > full / tokens else 0
+
+    def time_with(self, chunks: list[tuple[int, int]], kv: list[int]):
+        """(start, n) -> `budget.time([*chunks, (start, n)], kv)`, the same seconds, with
+        what does not depend on the last chunk priced once where the cost model can."""
+        b = self.budget
+        with_chunk = getattr(b.cost, "with_chunk", None)
+        priced = with_chunk(chunks, kv) if with_chunk is not None else None
+        if priced is None:
+            return lambda start, n: b.time([*chunks, (start, n)], kv)
+
+        def time(start: int, n: int) -> float:  # b.time's max over the stages
+            a, m, c = priced(start, n)
+            return max(a, c) if m is None else max(a, m, c)
+        return time
 
     def alone_chunk(self) -> int:
         """A prompt's chunk when nothing else fits: K / 8, or with a target what fits in T
@@ -359,9 +359,8 @@ class UniformPlanner(BasePlanner):
             ends, base + max(0.0, bound - base) * share, hi)
         n, need = fits(SLACK_SHARE), self.urgent - sum(c for _, c in chunks)
         if n < min(hi, need):  # a share of the round's slack; the prompts' TTFT needs more:
-            period = b.period_s  # up to T, past the round's deadline (module docstring)
-            n = max(n, min(b.largest(lambda m: b.time([*chunks, (start, m)], kv) <= period, hi),
-                           need))
+            time = self.time_with(chunks, kv)  # up to T, past the round's deadline (module doc)
+            n = max(n, min(largest_at_most(lambda m: time(start, m), b.period_s, hi), need))
         return n
 
     # ---- feedback ----------------------------------------------------------------------
@@ -388,9 +387,7 @@ class UniformPlanner(BasePlanner):
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         predicted = self.predicted.pop(mb.mb_id, 0.0)
-        late = self.clock.returned(mb.mb_id, now)
-        if late is not None:
-            self.budget.late(late)
+        self.budget.late(self.clock.returned(mb.mb_id, now))
         if out.timings:  # the stage that took longest (StageTiming.compute_s, written out)
             self.budget.observe(predicted, max([t.compute_end_s - t.compute_start_s
                                                 for t in out.timings]))
