@@ -40,6 +40,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -47,7 +48,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pp_runtime.bench.capacity import meets
-from pp_runtime.config import load_config
+from pp_runtime.cli.common import parse_overrides
+from pp_runtime.config import ConfigError, load_config
 from pp_runtime.costmodel import build_cost_model
 from pp_runtime.core.workload import generate
 from pp_runtime.engine.simulate import simulate
@@ -67,11 +69,13 @@ LIFETIMES = 1.0  # a probe's arrivals span at least this many request lives at t
 
 
 class Setting:
-    def __init__(self, config: str, requests: int, pd: float, bar: tqdm):
-        base = load_config(config)
+    def __init__(self, config: str, requests: int, pd: float, bar: tqdm,
+                 overrides: dict | None = None):
+        base = load_config(config, **(overrides or {}))
         self.config, self.bar, self.pp, self.requests = config, bar, base.parallel.pp, requests
-        self.base = {"workload.num_requests": requests, "workload.pd_ratio": pd,
-                     "cache.kv_slots": base.num_slots, "cache.paged": True}
+        self.base = {**(overrides or {}), "workload.num_requests": requests,
+                     "workload.pd_ratio": pd, "cache.kv_slots": base.num_slots,
+                     "cache.paged": True}
         cfg = load_config(config, **self.base)
         cost = build_cost_model(cfg)
         w = cfg.workload
@@ -274,15 +278,19 @@ def pareto(st: Setting, res: dict, path: Path) -> None:
 
 
 def run_setting(model: str, pd: float, requests: int, only_uniform: bool, out: Path,
-                bar: tqdm | None = None) -> dict:
+                bar: tqdm | None = None, overrides: dict | None = None) -> dict:
     """One setting whole (its offline rows, every target's capacities, its Pareto figure);
-    in a worker process of `--jobs` or in this one (bar: the progress bar, None in a worker)."""
+    in a worker process of `--jobs` or in this one (bar: the progress bar, None in a worker).
+    model: a key of MODELS or any config (name or path), with `overrides` (--set) on it."""
     global ONLY_UNIFORM
     ONLY_UNIFORM = only_uniform
-    label = f"{MODELS[model]}, P:D {pd:g}, {requests} requests"
-    st = Setting(MODELS[model], requests, pd, bar or tqdm(disable=True))
+    config = MODELS.get(model, model)
+    sets = "".join(f", {k}={v}" for k, v in (overrides or {}).items())
+    label = f"{config}{sets}, P:D {pd:g}, {requests} requests"
+    st = Setting(config, requests, pd, bar or tqdm(disable=True), overrides)
     res = one_setting(st, label)
-    pareto(st, res, out / f"pareto_{model}_pd{pd:g}.png")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model).stem if model not in MODELS else model)
+    pareto(st, res, out / f"pareto_{name}_pd{pd:g}.png")
     res["simulations"] = len(st.runs)
     return res
 
@@ -291,7 +299,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--pd", default="1,3,10")
-    ap.add_argument("--models", default="gpt3,llama")
+    ap.add_argument("--models", default="gpt3,llama",
+                    help=f"settings: {', '.join(MODELS)}, or any config (a name under "
+                         "configs/ or a path), e.g. a held-out check of your own")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a field of every setting's config, e.g. --set "
+                         "model=llama3-70b --set hardware.gpu=a100-80gb")
     ap.add_argument("--out", default="runs/goodput")
     ap.add_argument("--only-uniform", action="store_true",
                     help="capacity of uniform only (the anchors' code unchanged since a full run)")
@@ -301,10 +314,14 @@ def main() -> None:
                          "the figures do not depend on it)")
     args = ap.parse_args()
     settings = [(m, float(x)) for m in args.models.split(",") for x in args.pd.split(",")]
-    bad = [m for m, _ in settings if m not in MODELS]
-    if bad or args.requests < 1 or (args.jobs is not None and args.jobs < 1):
-        ap.error(f"--models takes {', '.join(MODELS)}" if bad else
-                 "--requests and --jobs must be >= 1")
+    if args.requests < 1 or (args.jobs is not None and args.jobs < 1):
+        ap.error("--requests and --jobs must be >= 1")
+    try:
+        overrides = parse_overrides(args.set)
+        for m in dict.fromkeys(m for m, _ in settings):
+            load_config(MODELS.get(m, m), **overrides)  # a bad name or field: one line, now
+    except ConfigError as exc:
+        ap.error(str(exc))
     global ONLY_UNIFORM
     ONLY_UNIFORM = args.only_uniform  # print_setting reads it here; run_setting in a worker
     jobs = args.jobs or max(1, min(os.cpu_count() or 1, len(settings)))
@@ -322,12 +339,14 @@ def main() -> None:
     if jobs == 1:
         with tqdm(desc="goodput", unit="sim") as bar:
             for model, pd in settings:
-                done((model, pd), run_setting(model, pd, args.requests, args.only_uniform, out, bar))
+                done((model, pd), run_setting(model, pd, args.requests, args.only_uniform, out,
+                                              bar, overrides))
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(jobs, mp_context=ctx) as pool, \
                 tqdm(desc="goodput", unit="setting", total=len(settings)) as bar:
-            futures = {pool.submit(run_setting, m, pd, args.requests, args.only_uniform, out): (m, pd)
+            futures = {pool.submit(run_setting, m, pd, args.requests, args.only_uniform, out,
+                                   None, overrides): (m, pd)
                        for m, pd in settings}
             for fut in as_completed(futures):
                 done(futures[fut], fut.result())
