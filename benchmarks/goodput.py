@@ -52,7 +52,7 @@ from pp_runtime.cli.common import parse_overrides
 from pp_runtime.config import ConfigError, load_config
 from pp_runtime.costmodel import build_cost_model
 from pp_runtime.core.workload import generate
-from pp_runtime.engine.simulate import simulate
+from pp_runtime.engine.simulate import check_memory, simulate
 from pp_runtime.plan.search import Workload, upper_bound
 from pp_runtime.telemetry.report import build_report
 
@@ -287,7 +287,7 @@ def run_setting(model: str, pd: float, requests: int, only_uniform: bool, out: P
     config = MODELS.get(model, model)
     sets = "".join(f", {k}={v}" for k, v in (overrides or {}).items())
     label = f"{config}{sets}, P:D {pd:g}, {requests} requests"
-    st = Setting(config, requests, pd, bar or tqdm(disable=True), overrides)
+    st = Setting(config, requests, pd, bar if bar is not None else tqdm(disable=True), overrides)
     res = one_setting(st, label)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model).stem if model not in MODELS else model)
     pareto(st, res, out / f"pareto_{name}_pd{pd:g}.png")
@@ -318,8 +318,10 @@ def main() -> None:
         ap.error("--requests and --jobs must be >= 1")
     try:
         overrides = parse_overrides(args.set)
-        for m in dict.fromkeys(m for m, _ in settings):
-            load_config(MODELS.get(m, m), **overrides)  # a bad name or field: one line, now
+        for m in dict.fromkeys(m for m, _ in settings):  # a bad name, field or memory: now,
+            base = load_config(MODELS.get(m, m), **overrides)  # in one line, not mid-run
+            check_memory(base.with_overrides(**{"cache.kv_slots": base.num_slots,
+                                                "cache.paged": True}))
     except ConfigError as exc:
         ap.error(str(exc))
     global ONLY_UNIFORM
