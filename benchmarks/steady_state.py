@@ -115,6 +115,11 @@ def row(mix: str, load: float, r: dict) -> str:
 
 
 def ratio_line(mix: str, load: float, runs: dict) -> str:
+    if any(runs[p]["steady"]["duration_s"] <= 0 for p in PLANNERS):  # the warm-up reached
+        #   the tail (no request arrived after the first finish): nothing to compare
+        ratio = "none (a run has no steady window: " + ", ".join(
+            p for p in PLANNERS if runs[p]["steady"]["duration_s"] <= 0) + ")"
+        return f"{'':<14}{load:>5.0%}  orca-best / uniform, steady bubble: {ratio}"
     u, o = (runs[p]["steady"]["bubble_fraction"] for p in PLANNERS)
     ratio = f"{o / u:.2f}x" if u > 0 else "inf"
     return f"{'':<14}{load:>5.0%}  orca-best / uniform, steady bubble: {ratio}"
