@@ -78,5 +78,16 @@ def load_config(name_or_path: str | Path, **overrides: Any) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections (model:, parallel:, "
                           f"planner: ...), got a YAML {type(data).__name__}")
-    cfg = config_from_dict(data, str(path))
+    cfg = config_from_dict(_beside(data, path.parent), str(path))
     return cfg.with_overrides(**overrides) if overrides else cfg
+
+
+def _beside(data: dict[str, Any], here: Path) -> dict[str, Any]:
+    """A relative `hardware.profile` that names a directory beside the config file is read
+    from there (a shipped config carries its profile: `configs/cpu/profiles/`); any other
+    relative path stays relative to where the command runs."""
+    hw = data.get("hardware")
+    prof = hw.get("profile") if isinstance(hw, dict) else None
+    if isinstance(prof, str) and not Path(prof).is_absolute() and (here / prof).is_dir():
+        data = {**data, "hardware": {**hw, "profile": str((here / prof).resolve())}}
+    return data

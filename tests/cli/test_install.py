@@ -95,6 +95,10 @@ def test_shipped_configs_load_from_the_wheel(installed):
             "cfg = load_config('paper/gpt3_tp8_pp8')\n"
             "print(CONFIG_DIR, cfg.model.name, cfg.parallel.tp, cfg.parallel.pp)\n"
             "for name in ('tiny', 'default', 'cpu/gpt2_pp2', 'paper/gpt3_tp8'): load_config(name)\n"
+            "from pathlib import Path\n"  # the CPU configs' profiles ship beside them
+            "from pp_runtime.costmodel.balance import resolve_layer_split\n"
+            "c = resolve_layer_split(load_config('cpu/gpt2_pp2'))\n"
+            "assert Path(c.hardware.profile).is_relative_to(CONFIG_DIR.resolve()), c.hardware\n"
             "from pp_runtime.config import load_model_config\n"
             "for m in ('gpt3-175b', 'llama2-70b', 'tiny-llama'): load_model_config(m)\n")
     r = _run([py, "-c", code], tmp)

@@ -164,3 +164,20 @@ def test_layer_split_from_yaml_resolves_to_stage_bounds(tmp_path):
     # an explicit list goes with its pp: changing pp alone is refused, not silently re-cut
     with pytest.raises(ConfigError, match="layer_split"):
         cfg.with_overrides(pp=2)
+
+
+def test_a_relative_profile_beside_the_config_is_read_from_there(tmp_path, monkeypatch):
+    """`hardware.profile: profiles/x` names the directory beside the config file (a shipped
+    config carries its profile); a relative path that is not there stays as given, relative
+    to where the command runs."""
+    (tmp_path / "cfgs" / "profiles" / "x").mkdir(parents=True)
+    body = "model: tiny-gpt\nhardware: {profile: %s}\n"
+    (tmp_path / "cfgs" / "beside.yaml").write_text(body % "profiles/x")
+    (tmp_path / "cfgs" / "elsewhere.yaml").write_text(body % "runs/prof")
+    monkeypatch.chdir(tmp_path)
+    beside = load_config(str(tmp_path / "cfgs" / "beside.yaml"))
+    assert beside.hardware.profile == str((tmp_path / "cfgs" / "profiles" / "x").resolve())
+    assert load_config(str(tmp_path / "cfgs" / "elsewhere.yaml")).hardware.profile == "runs/prof"
+    # an override on the command line is taken as given
+    over = load_config(str(tmp_path / "cfgs" / "beside.yaml"), **{"hardware.profile": "p"})
+    assert over.hardware.profile == "p"

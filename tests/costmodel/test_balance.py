@@ -98,16 +98,16 @@ def test_the_mix_is_one_full_microbatch_plus_the_decodes_left_over_per_chunk():
 
 
 def test_simulated_stages_are_busy_alike_with_auto():
-    """GPT-2-small on two stages (priced for an A100): with the even split the last stage
-    (LM head) is far busier than the first; with auto the two stages' busy times over the
-    whole simulated run are close."""
+    """GPT-2-small on two stages (priced for an A100: the config's own CPU profile unset):
+    with the even split the last stage (LM head) is far busier than the first; with auto
+    the two stages' busy times over the whole simulated run are close."""
     from pp_runtime.engine.simulate import simulate
     from pp_runtime.telemetry.report import build_report
 
     def busy_ratio(split):  # sarathi: the C + (B - 1) mix that `typical_microbatches` prices
         #                       (uniform's own order moves with its rules: 1.075 since 166d37c)
         cfg = load_config("cpu/gpt2_pp2", layer_split=split, planner="sarathi",
-                          **{"workload.num_requests": 32})
+                          **{"workload.num_requests": 32, "hardware.profile": None})
         busy = [st["busy_s"] for st in build_report(simulate(cfg, progress=False))
                 ["summary"]["per_stage"]]
         return max(busy) / min(busy), balance.resolve_layer_split(cfg).layers_per_stage()
@@ -136,10 +136,37 @@ def test_the_cost_model_prices_each_half_on_its_own_stage():
     from pp_runtime.costmodel.model import build_cost_model
 
     mb = ([(0, 128)], [300] * 20)
-    whole = build_cost_model(load_config("cpu/gpt2_pp2", layer_split=[6, 6])).stage_times(*mb)
-    cut_cost = build_cost_model(load_config("cpu/gpt2_pp2", layer_split=[6.5, 5.5]))
+    a100 = {"hardware.profile": None}  # the config's CPU profile scales each stage on its own
+    whole = build_cost_model(load_config("cpu/gpt2_pp2", layer_split=[6, 6], **a100))
+    whole = whole.stage_times(*mb)
+    cut_cost = build_cost_model(load_config("cpu/gpt2_pp2", layer_split=[6.5, 5.5], **a100))
     cut = cut_cost.stage_times(*mb)
     attn = cut_cost.attention_half(*mb)
     assert cut == pytest.approx([whole[0] + attn, whole[1] - attn])
     per_layer = cut_cost.parts(*mb)[0]
     assert 0.2 < attn / per_layer < 0.5  # QKV + out: 4 h^2 of GPT-2's 12 h^2, plus attention
+
+
+@pytest.mark.parametrize("name", ["cpu/gpt2_pp2", "cpu/llama_pp2"])
+def test_the_cpu_configs_carry_a_profile_of_their_model_and_auto_cuts_on_it(name):
+    """The real CPU pipelines are priced on a CPU (`configs/cpu/profiles/`), not on the A100
+    tables: the profile is of the config's model, prices every stage, holds the Ray
+    executor's calibration at pp = 2, and `auto` (the unset split) cuts on it. GPT-2's LM
+    head (50257 x 768) weighs on the last stage, which gets fewer layers."""
+    import json
+    from pathlib import Path
+
+    from pp_runtime.config import CONFIG_DIR
+    from pp_runtime.costmodel.model import build_cost_model, find_calibration
+
+    cfg = load_config(name)
+    prof = Path(cfg.hardware.profile)
+    assert prof.parent == (CONFIG_DIR / "cpu" / "profiles").resolve()
+    assert json.loads((prof / "device.json").read_text())["model"] == cfg.model.name
+    assert find_calibration(cfg) is not None
+    split = balance.resolve_layer_split(cfg).parallel.layer_split
+    assert sum(split) == cfg.model.num_layers
+    assert all(t > 0 for t in build_cost_model(balance.resolve_layer_split(cfg)).stage_times(
+        [(0, 128)], [512] * 4))
+    if name == "cpu/gpt2_pp2":
+        assert split[1] < split[0], split
