@@ -1,7 +1,9 @@
 """Steady-state bubbles on the real PP = 2 pipeline under Poisson arrivals (issue 22).
 
 On this machine: `cpu/gpt2_pp2` (GPT-2-small shapes, random weights, two Ray stage actors,
-one torch thread each, gloo on 127.0.0.1), started once and shared by every run. For each
+one torch thread each, gloo on 127.0.0.1), shared by every run of a mix and started again
+only where a mix's layer split differs (`layer_split: auto`, what a config with a profile and
+no split gets, cuts each mix's pipeline for that mix; a given split is kept). For each
 request mix (total lengths Zipf(0.4) over [min, max] tokens, split by P:D):
 
   balanced       P:D 3   (prompt tokens per output token), 128..512 tokens
@@ -55,6 +57,7 @@ from tqdm import tqdm  # noqa: E402
 
 from pp_runtime.cli.common import parse_overrides  # noqa: E402
 from pp_runtime.config import load_config  # noqa: E402
+from pp_runtime.costmodel.balance import resolve_layer_split  # noqa: E402
 from pp_runtime.engine.llm import run_workload  # noqa: E402
 from pp_runtime.telemetry.bubbles import CAUSES  # noqa: E402
 from pp_runtime.telemetry.report import write_report  # noqa: E402
@@ -76,6 +79,31 @@ class Kept:
 
     def shutdown(self) -> None:
         pass
+
+
+class Pipeline:
+    """The real pipeline the runs share, started again only when a mix's split differs
+    from the one running (each start: Ray's stages up, a few seconds)."""
+
+    def __init__(self, name: str):
+        self.name, self.executor, self.split = name, None, None
+
+    def for_config(self, mcfg) -> Kept:
+        from pp_runtime.executors import make_executor
+        if self.executor is None or mcfg.parallel.layer_split != self.split:
+            self.close()
+            t0 = time.perf_counter()
+            self.executor, self.split = Kept(make_executor(mcfg)), mcfg.parallel.layer_split
+            tqdm.write(f"{self.name}: {self.executor.describe()}, layer_split "
+                       f"{'|'.join(f'{x:g}' for x in self.split)}, planners "
+                       f"{', '.join(PLANNERS)}; Ray and the stages up in "
+                       f"{time.perf_counter() - t0:.1f} s", file=sys.stdout)
+        return self.executor
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor._executor.shutdown()
+            self.executor = None
 
 
 def capacity(cfg, executor, n: int, out: Path) -> tuple[float, dict]:
@@ -129,18 +157,29 @@ def requests_for(rate: float, span_s: float, lo: int, hi: int) -> int:
     return max(lo, min(hi, math.ceil(rate * span_s)))
 
 
-def run_mix(cfg, executor, mix: str, spec: tuple, loads, args, bar, lines: list[str],
-            out: Path) -> dict:
-    """One mix: its capacity, then every load and planner; rows appended to lines."""
+def mix_config(cfg, spec: tuple):
+    """The config with a mix's workload, its layer split chosen for that mix: `auto` (a
+    config with a profile and no split) cuts where the stages balance over the mix's own
+    prefill / decode share, as a deployment serving that mix would be cut; a given split
+    stays. Explicit, so the planner and the workers read the same cut."""
     pd, min_len, max_len = spec
     mcfg = cfg.with_overrides(**{"workload.pd_ratio": pd, "workload.min_len": min_len,
                                  "workload.max_len": max_len})
+    return resolve_layer_split(mcfg).with_layer_split_resolved()
+
+
+def run_mix(mcfg, executor, mix: str, spec: tuple, loads, args, bar, lines: list[str],
+            out: Path) -> dict:
+    """One mix: its capacity, then every load and planner; rows appended to lines."""
+    pd, min_len, max_len = spec
     bar.set_postfix_str(f"{mix} capacity")
     cap, detail = capacity(mcfg, executor, args.n_cap, out / mix / "capacity")
     bar.update()
     result = {"pd_ratio": pd, "lengths": [min_len, max_len], "capacity_req_s": cap,
-              "capacity": detail, "runs": {}}
-    tqdm.write(f"{mix} (P:D {pd:g}, {min_len}..{max_len} tokens): capacity {cap:.3f} req/s "
+              "capacity": detail, "runs": {}, "layer_split": mcfg.parallel.layer_split}
+    split = "|".join(f"{x:g}" for x in mcfg.parallel.layer_split)
+    tqdm.write(f"{mix} (P:D {pd:g}, {min_len}..{max_len} tokens, layer_split {split}): "
+               f"capacity {cap:.3f} req/s "
                f"({args.n_cap} requests at time 0: busiest stage {detail['bottleneck_busy_s']:.1f} s "
                f"busy, makespan {detail['makespan_s']:.1f} s, i.e. {detail['offline_req_s']:.3f} "
                "req/s offline)", file=sys.stdout)
@@ -181,20 +220,18 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from pp_runtime.executors import make_executor
     t0 = time.perf_counter()
-    executor = Kept(make_executor(cfg))
-    print(f"{args.config}: {executor.describe()}, planners {', '.join(PLANNERS)}; "
-          f"Ray and the stages up in {time.perf_counter() - t0:.1f} s", flush=True)
-    results, lines = {}, [HEAD]
+    results, lines, pipeline = {}, [HEAD], Pipeline(args.config)
     total = len(mixes) * (1 + len(loads) * len(PLANNERS))
     bar = tqdm(total=total, unit="run", desc="steady_state", file=sys.stderr)
     try:
         for mix, spec in mixes.items():
-            results[mix] = run_mix(cfg, executor, mix, spec, loads, args, bar, lines, out)
+            mcfg = mix_config(cfg, spec)
+            results[mix] = run_mix(mcfg, pipeline.for_config(mcfg), mix, spec, loads, args,
+                                   bar, lines, out)
     finally:
         bar.close()
-        executor._executor.shutdown()
+        pipeline.close()
     print("\nsteady: bubble fraction of the steady window (up/down/dep: by cause, %), for how "
           "long, and its idle share; warm-up, tail: duration and bubble fraction; whole: the "
           "whole run's (docs/bubbles.md)")
