@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pp_runtime.core.batch import MicroBatch, SampledTokens, assemble, fill_placeholders
 from pp_runtime.config import Config, ConfigError
+from pp_runtime.costmodel.balance import resolve_layer_split
 from pp_runtime.executors import token_hop_on
 from pp_runtime.worker.device import resolve_device
 from pp_runtime.worker.stage import StageWorker
@@ -26,6 +27,7 @@ class LocalExecutor:
         if cfg.parallel.tp != 1:
             raise ConfigError(f"parallel.tp: the local executor runs tp=1, got tp={cfg.parallel.tp}; "
                               "tensor parallelism needs the distributed (ray) executor")
+        cfg = resolve_layer_split(cfg)  # an auto split chosen here if no caller chose it
         self.device = resolve_device(cfg.runtime.device)
         self.workers = [StageWorker(cfg, s, self.device, checkpoint) for s in range(cfg.parallel.pp)]
         self._done: dict[int, SampledTokens] = {}

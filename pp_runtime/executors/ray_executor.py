@@ -56,6 +56,7 @@ from pathlib import Path
 from pp_runtime.core.batch import MicroBatch, SampledTokens, assemble
 from pp_runtime.config import Config
 from pp_runtime.core.errors import ConfigError, WorkerFailed
+from pp_runtime.costmodel.balance import resolve_layer_split
 from pp_runtime.executors import token_hop_on
 from pp_runtime.executors.local_ray import shutdown_ray, start_ray
 from pp_runtime.executors.ray_actor import stage_actor_class
@@ -75,6 +76,7 @@ class RayExecutor:
                  cancel: threading.Event | None = None):
         import ray
 
+        cfg = resolve_layer_split(cfg)  # an auto split chosen here if no caller chose it
         self.cfg, self.ray = cfg, ray
         p, rt = cfg.parallel, cfg.runtime
         self.tp, self.pp = p.tp, p.pp

@@ -36,3 +36,18 @@ def test_the_chosen_split_is_what_the_stages_ran(monkeypatch, tmp_path):
     assert report["config"]["parallel"]["layer_split"] == [3, 1]
     assert "layer_split 3|1" in format_summary(report)
     assert all(r["finish_reason"] == "length" for r in report["requests"])
+
+
+def test_an_executor_handed_an_auto_split_chooses_it_itself(monkeypatch, tmp_path):
+    """A caller that builds an executor straight from a config whose split is still `auto`
+    (a profile, no split: the CPU configs) gets the chosen cut, not a refusal."""
+    from pp_runtime.executors.local import LocalExecutor
+
+    monkeypatch.setattr(balance, "auto_layer_split", lambda cfg: [3, 1])
+    cfg = load_config("tiny", pp=2, executor="local", **{"hardware.profile": str(tmp_path)})
+    assert cfg.layer_split_pending
+    ex = LocalExecutor(cfg)
+    try:
+        assert [(w.lo, w.hi) for w in ex.workers] == [(0, 3), (3, 4)]
+    finally:
+        ex.shutdown()
