@@ -1,28 +1,12 @@
 """benchmarks/goodput.py's rate ceiling and probe length, by hand on a toy cost model: the
 SLO ceiling (`slo_bound`), the requests a probe holds (`Setting.requests_at`), and the
 rates it probes (up to the work bound, not the offline throughput)."""
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from benchmarks_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))  # goodput imports nothing of benchmarks/, but its siblings do
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-goodput = _load("goodput")
+goodput = load_benchmark("goodput")
 
 
 class Affine:

@@ -1,25 +1,9 @@
 """benchmarks/steady_state.py's pipelines: each mix's config with the layer split chosen for
 that mix where the config leaves it to `auto` (a profile and no split), explicit so the
 planner and the workers read one cut; a given split is kept. No Ray: the configs only."""
-import importlib.util
-import sys
-from pathlib import Path
+from benchmarks_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-steady = _load("steady_state")
+steady = load_benchmark("steady_state")
 
 
 def test_each_mix_gets_its_own_cut_and_a_given_split_stays():
