@@ -79,4 +79,9 @@ def main(inp: str, out: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):  # one line, no traceback
+        print("usage: VLLM_VENV/bin/python benchmarks/vllm_side.py IN.json OUT.json "
+              "(run by benchmarks/vs_vllm.py; the module docstring has the formats)",
+              file=sys.stderr)
+        raise SystemExit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     main(*sys.argv[1:3])
