@@ -51,9 +51,9 @@ def isolated_check(cfg, profile: Path) -> None:
     from pp_runtime.worker.stage import StageWorker
 
     # the quiet profile alone (no executor's calibration: nothing runs beside the stage)
-    cost = build_cost_model(resolve_layer_split(cfg.with_overrides(
-        **{"hardware.profile": str(profile), "executor": "local"})))
-    local = cfg.with_overrides(executor="local")
+    local = resolve_layer_split(cfg.with_overrides(  # the workers hold the cut priced
+        **{"hardware.profile": str(profile), "executor": "local"}))
+    cost = build_cost_model(local)
     workers = [StageWorker(local, s, torch.device("cpu")) for s in range(cfg.parallel.pp)]
     sampling, kv = Sampling(0.0, 1.0, 0), 400
     per = -(-cfg.seq_len // cfg.cache.block_size)  # blocks of a whole context

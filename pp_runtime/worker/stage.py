@@ -22,6 +22,7 @@ from pp_runtime.core.batch import MicroBatch, RankResult, StageTiming, fill_plac
 from pp_runtime.config import Config
 from pp_runtime.core.errors import ConfigError
 from pp_runtime.worker.device import torch_dtype
+from pp_runtime.costmodel.balance import resolve_layer_split
 from pp_runtime.costmodel.memory import check_stage_fits
 from pp_runtime.model.attention import BatchLayout
 from pp_runtime.model.cpu_kernels import prepack_linears, use_decode_kernel, use_prepack
@@ -40,6 +41,7 @@ from pp_runtime.telemetry.timer import Op, Timer, device_timer
 class StageWorker:
     def __init__(self, cfg: Config, stage: int, device: torch.device,
                  checkpoint: str | Path | None = None, groups: StageGroups | None = None):
+        cfg = resolve_layer_split(cfg)  # an auto split chosen alike wherever it is built
         m = cfg.model
         self.cfg, self.stage, self.device = cfg, stage, device
         self.tp_rank = groups.tp_rank if groups else 0

@@ -39,8 +39,9 @@ def test_the_chosen_split_is_what_the_stages_ran(monkeypatch, tmp_path):
 
 
 def test_an_executor_handed_an_auto_split_chooses_it_itself(monkeypatch, tmp_path):
-    """A caller that builds an executor straight from a config whose split is still `auto`
-    (a profile, no split: the CPU configs) gets the chosen cut, not a refusal."""
+    """A caller that builds an executor (or a stage worker) straight from a config whose
+    split is still `auto` (a profile, no split: the CPU configs) gets the chosen cut, not a
+    refusal."""
     from pp_runtime.executors.local import LocalExecutor
 
     monkeypatch.setattr(balance, "auto_layer_split", lambda cfg: [3, 1])
@@ -51,3 +52,7 @@ def test_an_executor_handed_an_auto_split_chooses_it_itself(monkeypatch, tmp_pat
         assert [(w.lo, w.hi) for w in ex.workers] == [(0, 3), (3, 4)]
     finally:
         ex.shutdown()
+    import torch
+
+    from pp_runtime.worker.stage import StageWorker  # a benchmark builds one straight away
+    assert StageWorker(cfg, 1, torch.device("cpu")).lo == 3
