@@ -304,7 +304,8 @@ def main() -> None:
                          "configs/ or a path), e.g. a held-out check of your own")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a field of every setting's config, e.g. --set "
-                         "model=llama3-70b --set hardware.gpu=a100-80gb")
+                         "hardware.gpu=h100 --set parallel.pp=4 (another model: a config "
+                         "of its own in --models, as benchmarks/heldout/)")
     ap.add_argument("--out", default="runs/goodput")
     ap.add_argument("--only-uniform", action="store_true",
                     help="capacity of uniform only (the anchors' code unchanged since a full run)")

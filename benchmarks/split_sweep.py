@@ -26,7 +26,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on 127.0.0.1
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from steady_state import MIXES, Kept  # noqa: E402
+from steady_state import MIXES, Kept, split_label  # noqa: E402
 
 from pp_runtime.cli.common import parse_overrides  # noqa: E402
 from pp_runtime.config import ConfigError, load_config  # noqa: E402
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
 
     t0, rows = time.perf_counter(), {}
     for split in splits:
-        label = "|".join(f"{x:g}" for x in split)
+        label = split_label(split)
         try:
             cfg = load_config(args.config, layer_split=split, **parse_overrides(args.set))
         except ConfigError as e:

@@ -81,6 +81,11 @@ class Kept:
         pass
 
 
+def split_label(split) -> str:
+    """A layer split as the run banner writes it: 6.5|5.5."""
+    return "|".join(f"{x:g}" for x in split)
+
+
 class Pipeline:
     """The real pipeline the runs share, started again only when a mix's split differs
     from the one running (each start: Ray's stages up, a few seconds)."""
@@ -95,7 +100,7 @@ class Pipeline:
             t0 = time.perf_counter()
             self.executor, self.split = Kept(make_executor(mcfg)), mcfg.parallel.layer_split
             tqdm.write(f"{self.name}: {self.executor.describe()}, layer_split "
-                       f"{'|'.join(f'{x:g}' for x in self.split)}, planners "
+                       f"{split_label(self.split)}, planners "
                        f"{', '.join(PLANNERS)}; Ray and the stages up in "
                        f"{time.perf_counter() - t0:.1f} s", file=sys.stdout)
         return self.executor
@@ -177,8 +182,8 @@ def run_mix(mcfg, executor, mix: str, spec: tuple, loads, args, bar, lines: list
     bar.update()
     result = {"pd_ratio": pd, "lengths": [min_len, max_len], "capacity_req_s": cap,
               "capacity": detail, "runs": {}, "layer_split": mcfg.parallel.layer_split}
-    split = "|".join(f"{x:g}" for x in mcfg.parallel.layer_split)
-    tqdm.write(f"{mix} (P:D {pd:g}, {min_len}..{max_len} tokens, layer_split {split}): "
+    tqdm.write(f"{mix} (P:D {pd:g}, {min_len}..{max_len} tokens, layer_split "
+               f"{split_label(mcfg.parallel.layer_split)}): "
                f"capacity {cap:.3f} req/s "
                f"({args.n_cap} requests at time 0: busiest stage {detail['bottleneck_busy_s']:.1f} s "
                f"busy, makespan {detail['makespan_s']:.1f} s, i.e. {detail['offline_req_s']:.3f} "
