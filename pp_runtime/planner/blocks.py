@@ -176,3 +176,28 @@ class KVBlocks:
         if req.blocks is not None:
             self.pool.release(req.blocks)
             req.blocks = None
+
+
+class GrowthReserve:
+    """The share of the running requests' owed KV growth that admission keeps free, adapted
+    as gLLM adapts its decode reserve (gty111/gLLM @bc91d98, gllm/scheduler.py 41-42 and
+    `_decode_reserve_pages` 109-163; planner/gllm.py): it falls `FALL` per micro-batch to
+    `FLOOR` and rises `RISE` after a micro-batch that preempted, up to all of the growth.
+    Where finishing requests free pages as fast as running ones grow (a served load) the
+    reserve only idles memory, so the floor is none, as in vLLM and Sarathi-Serve (the
+    watermark only; gLLM stops at 0.1); a burst that outgrows the pool preempts, and the
+    reserve climbs back. docs/planner.md, "Memory": GPT-3 P:D 1 at 3x and 5x, and the same
+    at half its KV."""
+
+    START, FLOOR, FALL, RISE = 0.3, 0.0, 0.002, 0.05
+
+    def __init__(self) -> None:
+        self.share = self.START
+        self._seen = 0  # preemptions counted so far
+
+    def step(self, preemptions: int) -> None:
+        """After a micro-batch is planned; `preemptions`: the planner's count so far."""
+        if preemptions > self._seen:
+            self._seen, self.share = preemptions, min(1.0, self.share + self.RISE)
+        else:
+            self.share = max(self.FLOOR, self.share - self.FALL)

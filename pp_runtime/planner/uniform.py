@@ -28,8 +28,9 @@ Rows are bounded by KV pages and by time, not by a hand count:
     none (the makespan), least slack first: longest first among requests arriving together,
     so the longest decode tails start first instead of ending the run alone (`order.py`);
   - admission takes a request when the pages of its prompt are free beyond a share
-    (`RESERVE`) of the growth the running requests still owe (their expected output:
-    `max_tokens` times the share finished requests used);
+    (`GrowthReserve`: 0.3 falling to none, rising after preemptions) of the growth the
+    running requests still owe (their expected output: `max_tokens` times the share
+    finished requests used);
   - with a TBT target, admission also stops at the rows the period holds: depth x the
     decodes d that fit in T = margin x S / depth beside the prompt tokens that keep pace with
     them (d x the requests' prompt tokens per output token), at the running requests' mean
@@ -51,6 +52,7 @@ from pp_runtime.config import Config
 from pp_runtime.core.batch import MicroBatch, SampledTokens, SeqChunk
 from pp_runtime.core.request import Request
 from pp_runtime.planner.base import UNBOUNDED_ROWS, BasePlanner
+from pp_runtime.planner.blocks import GrowthReserve
 from pp_runtime.planner.budget import PipelineClock, TimeBudget, largest_at_most
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.due import TokensDue
@@ -62,8 +64,6 @@ INF = float("inf")
 SLACK_SHARE = 0.5  # of the slack before the round's deadline, what one micro-batch takes
 #                    (a steady round of depth d fills d s / (1 + (d - 1) s) of it; a quarter
 #                    and all of it measured worse: docs/planner.md, "The round")
-RESERVE = 0.3  # share of the running requests' expected growth admission keeps free (gLLM
-#               reserves 0.7 -> 0.1 of it; a preemption recomputes what the rest misses)
 
 
 class UniformPlanner(BasePlanner):
@@ -87,6 +87,7 @@ class UniformPlanner(BasePlanner):
         self.min_chunk = max(1, self.top // 8)
         self.seq_len = cfg.seq_len
         self.out_share = 1.0  # of max_tokens, what finished requests generated (moving average)
+        self.reserve = GrowthReserve()  # share of the owed growth admission keeps free
         self.predicted: dict[int, float] = {}  # mb_id -> predicted seconds
         self.clock = PipelineClock(cost_model, self.pp)
         send = getattr(cost_model, "send_time", None)  # a sampled token's hop to stage 0
@@ -154,7 +155,7 @@ class UniformPlanner(BasePlanner):
             made, expect = len(r.output_token_ids), share * cap
             end = p + (made if made >= expect else expect)
             grow = -(-int(end) // bs) - len(r.blocks)
-            owed += (grow if grow > 0 else 0) * RESERVE
+            owed += (grow if grow > 0 else 0) * reserve
             life += (p + end) / 2
             prompts += p
             outputs = outputs + end - p  # (outputs + end) - p, as it was
@@ -166,7 +167,7 @@ class UniformPlanner(BasePlanner):
             req = waiting[0]
             need = kv.need(req)
             final = kv.blocks_for(int(self.expected_len(req))) if kv.paged else need
-            growth = (final - need) * RESERVE
+            growth = (final - need) * reserve
             if running and need + growth > free - kv.watermark:
                 return
             if not kv.admit(req, watermark=bool(running)):
@@ -181,7 +182,7 @@ class UniformPlanner(BasePlanner):
         kv = self.kv
         need = kv.need(req)
         final = kv.blocks_for(int(self.expected_len(req))) if kv.paged else need
-        return need + (final - need) * RESERVE > kv.pool.num_free - kv.watermark
+        return need + (final - need) * self.reserve.share > kv.pool.num_free - kv.watermark
 
     def row_cap(self, now: float, kv: int, mix: float) -> float:
         """Requests that may run at once under the time budget: depth x the largest d such
@@ -367,6 +368,7 @@ class UniformPlanner(BasePlanner):
     def schedule(self, now: float = 0.0) -> MicroBatch | None:
         mb = super().schedule(now)
         if mb is not None:  # SeqChunk's num_tokens and kv_len written out (the hot path)
+            self.reserve.step(self.num_preemptions)
             prefills, kv, tokens = [], [], 0
             for s in mb.seqs:
                 n = len(s.token_ids)

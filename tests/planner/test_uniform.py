@@ -9,6 +9,7 @@ from helpers import add, drive, planner
 from pp_runtime.config import Config, ConfigError, load_config
 from pp_runtime.core.batch import SampledTokens
 from pp_runtime.core.request import Request, SamplingParams
+from pp_runtime.planner.blocks import GrowthReserve
 from pp_runtime.planner.budget import TimeBudget, decode_floor, knee
 from pp_runtime.planner.order import SlackOrder
 from pp_runtime.planner.uniform import UniformPlanner
@@ -240,6 +241,38 @@ def test_rows_are_bounded_by_pages_not_by_a_hand_count():
     assert len(p.running) == 8
 
 
+def test_the_growth_reserve_falls_per_microbatch_to_none_and_rises_after_a_preemption():
+    """0.3 at the start, 0.002 less per micro-batch planned without a preemption (0.1 after
+    100, none after 150), 0.05 more after one that preempted, at most all of the growth."""
+    r = GrowthReserve()
+    assert r.share == pytest.approx(0.3)
+    for _ in range(100):
+        r.step(0)
+    assert r.share == pytest.approx(0.1)
+    for _ in range(60):
+        r.step(0)
+    assert r.share == 0.0
+    r.step(3)  # three preempted while planning this micro-batch: one rise
+    assert r.share == pytest.approx(0.05)
+    r.step(3)  # none since
+    assert r.share == pytest.approx(0.048)
+    for n in range(4, 40):
+        r.step(n)
+    assert r.share == 1.0
+
+
+def test_with_the_reserve_at_none_admission_counts_only_the_prompts_pages():
+    """The pool of the test above after 150 micro-batches without a preemption: 7 pages of
+    prompt each and no growth kept free -> 64 // 7 = 9 run at once, not 8."""
+    p = planner("uniform", paged=True, kv_slots=4, max_seq_len=256, watermark=0.0)
+    for _ in range(150):
+        p.reserve.step(0)
+    for rid in range(12):
+        add(p, rid, 100, 20)
+    p.admit(0.0)
+    assert len(p.running) == 9
+
+
 def test_uniform_finishes_every_request_with_caps_and_without():
     """Every prompt token once, every request to its length: the planner's own contract."""
     for extra in ({}, {"chunk_size": 64, "max_batch_size": 4}, {"tbt_slo_ms": 1e6}):
@@ -251,6 +284,7 @@ def test_uniform_finishes_every_request_with_caps_and_without():
                    for r in p.requests.values())
         if extra.get("chunk_size"):
             assert p.top == 64
+        assert p.num_preemptions or p.reserve.share < GrowthReserve.START  # it fell as it ran
 
 
 @pytest.mark.parametrize("slo_ms", [100.0, 200.0])
