@@ -146,6 +146,7 @@ class UniformPlanner(BasePlanner):
         if running and self.kv_short(waiting[0]):  # what the loop below would find first
             return
         owed, life, prompts, outputs = 0, 0.0, waiting[0].prompt_len, 0.0
+        reserve = self.reserve.share
         share, seq_len, bs = self.out_share, self.seq_len, kv.block_size
         for r in running:  # expected_len(r), written out (min and max too): this runs for
             p = r.prompt_len  # every micro-batch while an arrived request waits
