@@ -16,7 +16,8 @@ For each setting:
     in flight reach what the rate sustains before the arrivals end, instead of a burst of
     N that the KV memory absorbs;
   - TBT targets 2u, 3u, 5u; for each, the capacity (the highest Poisson rate whose p99 TBT
-    and p99 TTFT meet their targets, on a geometric grid of rates x1.1) of
+    and p99 TTFT meet their targets, on a geometric grid of rates x1.1, then bisected
+    `--refine` times towards the next grid rate for `uniform` and each anchor's best knob) of
       uniform        its defaults, given the two targets (planner.tbt_slo_ms, ttft_slo_ms);
       sarathi-serve  chunk_size in SERVE_CHUNKS, max_num_seqs what the pages hold;
       gllm           maxp in GLLM_MAXP, its other knobs at gLLM's defaults;
@@ -64,6 +65,7 @@ GRID_STEP = 1.1  # rates probed: RATE0 x GRID_STEP^k
 RATE0 = 0.05
 ROWS_B = 4096  # B for the anchors: never binds (they cap rows by their own knobs)
 ONLY_UNIFORM = False  # --only-uniform: the anchors' offline rows (for the rate cap) only
+REFINE = 2  # --refine: bisections between a capacity's grid rate and the next (x1.1 -> ~x1.024)
 LIFETIMES = 1.0  # a probe's arrivals span at least this many request lives at the loosest
 #                 target (mean output x 5u): the rows reach what the rate sustains
 
@@ -144,6 +146,19 @@ class Setting:
             lo, hi = (mid, hi) if ok(mid) else (lo, mid)
         return rate(lo), self.run(planner, knobs, rate(lo))
 
+    def refine(self, planner: str, knobs: dict, tbt_slo: float, qps: float) -> tuple[float, dict]:
+        """The capacity between grid rate `qps` (met) and the next one (missed, or past the
+        work bound), bisected REFINE times on a log scale: x1.1 steps hide ratios between
+        1.00 and 1.10, and 1.15x needs two of them."""
+        lo, hi = qps, min(qps * GRID_STEP, self.bound)
+        for _ in range(REFINE if qps > 0 else 0):
+            mid = round(math.sqrt(lo * hi), 6)
+            if self.ok(self.run(planner, knobs, mid), tbt_slo):
+                lo = mid
+            else:
+                hi = mid
+        return lo, self.run(planner, knobs, lo)
+
 
 def slo_bound(cost, wl: Workload, pp: int, tbt_s: float) -> float:
     """Requests per second that no schedule of a pipeline of pp stages carries within a TBT
@@ -193,13 +208,19 @@ def one_setting(st: Setting, label: str) -> dict:
     for mult in SLO_MULTIPLES:
         slo = mult * st.tbt_unloaded
         uni_knobs = {"tbt_slo_ms": slo * 1e3, "ttft_slo_ms": st.ttft_slo * 1e3}
-        cap, run = st.capacity("uniform", uni_knobs, slo)
-        cell = {"slo_x": mult, "tbt_slo_s": slo, "uniform": {"qps": cap, "run": run},
+        grid = st.capacity("uniform", uni_knobs, slo)[0]
+        cap, run = st.refine("uniform", uni_knobs, slo, grid)
+        cell = {"slo_x": mult, "tbt_slo_s": slo,
+                "uniform": {"qps": cap, "grid_qps": grid, "run": run},
                 "slo_bound": min(st.bound, slo_bound(st.cost, st.wl, st.pp, slo))}
         for planner in () if ONLY_UNIFORM else ("sarathi-serve", "gllm"):
-            best = max(((st.capacity(planner, knobs, slo), name) for p, name, knobs in anchors()
-                        if p == planner), key=lambda x: x[0][0])
-            cell[planner] = {"qps": best[0][0], "knobs": best[1], "run": best[0][1]}
+            rows = [(st.capacity(planner, knobs, slo)[0], name, knobs)
+                    for p, name, knobs in anchors() if p == planner]
+            grid = max(r[0] for r in rows)  # the knobs that tie at the best grid rate, refined
+            (cap, run), name = max(((st.refine(planner, knobs, slo, q), name)
+                                    for q, name, knobs in rows if q == grid),
+                                   key=lambda x: x[0][0])
+            cell[planner] = {"qps": cap, "grid_qps": grid, "knobs": name, "run": run}
         out["cells"].append(cell)
     return out
 
@@ -278,12 +299,13 @@ def pareto(st: Setting, res: dict, path: Path) -> None:
 
 
 def run_setting(model: str, pd: float, requests: int, only_uniform: bool, out: Path,
-                bar: tqdm | None = None, overrides: dict | None = None) -> dict:
+                bar: tqdm | None = None, overrides: dict | None = None,
+                refine: int = REFINE) -> dict:
     """One setting whole (its offline rows, every target's capacities, its Pareto figure);
     in a worker process of `--jobs` or in this one (bar: the progress bar, None in a worker).
     model: a key of MODELS or any config (name or path), with `overrides` (--set) on it."""
-    global ONLY_UNIFORM
-    ONLY_UNIFORM = only_uniform
+    global ONLY_UNIFORM, REFINE
+    ONLY_UNIFORM, REFINE = only_uniform, refine
     config = MODELS.get(model, model)
     sets = "".join(f", {k}={v}" for k, v in (overrides or {}).items())
     label = f"{config}{sets}, P:D {pd:g}, {requests} requests"
@@ -313,10 +335,13 @@ def main() -> None:
                     help="settings simulated side by side, one process each (default: the "
                          "cores, at most one per setting; the simulator's clock is virtual, so "
                          "the figures do not depend on it)")
+    ap.add_argument("--refine", type=int, default=REFINE,
+                    help="bisections of each best capacity between its grid rate and the next "
+                         f"(default {REFINE}: to about x1.024; 0: the x1.1 grid alone)")
     args = ap.parse_args()
     settings = [(m, float(x)) for m in args.models.split(",") for x in args.pd.split(",")]
-    if args.requests < 1 or (args.jobs is not None and args.jobs < 1):
-        ap.error("--requests and --jobs must be >= 1")
+    if args.requests < 1 or (args.jobs is not None and args.jobs < 1) or args.refine < 0:
+        ap.error("--requests and --jobs must be >= 1, --refine >= 0")
     try:
         overrides = parse_overrides(args.set)
         for m in dict.fromkeys(m for m, _ in settings):  # a bad name, field or memory: now,
@@ -343,13 +368,13 @@ def main() -> None:
         with tqdm(desc="goodput", unit="sim") as bar:
             for model, pd in settings:
                 done((model, pd), run_setting(model, pd, args.requests, args.only_uniform, out,
-                                              bar, overrides))
+                                              bar, overrides, args.refine))
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(jobs, mp_context=ctx) as pool, \
                 tqdm(desc="goodput", unit="setting", total=len(settings)) as bar:
             futures = {pool.submit(run_setting, m, pd, args.requests, args.only_uniform, out,
-                                   None, overrides): (m, pd)
+                                   None, overrides, args.refine): (m, pd)
                        for m, pd in settings}
             for fut in as_completed(futures):
                 done(futures[fut], fut.result())

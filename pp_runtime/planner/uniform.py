@@ -53,7 +53,7 @@ from pp_runtime.core.batch import MicroBatch, SampledTokens, SeqChunk
 from pp_runtime.core.request import Request
 from pp_runtime.planner.base import UNBOUNDED_ROWS, BasePlanner
 from pp_runtime.planner.blocks import GrowthReserve
-from pp_runtime.planner.budget import PipelineClock, TimeBudget, largest_at_most
+from pp_runtime.planner.budget import MARGIN, PipelineClock, TimeBudget, largest_at_most
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.due import TokensDue
 from pp_runtime.planner.order import SlackOrder
@@ -214,16 +214,18 @@ class UniformPlanner(BasePlanner):
     def prefill_need(self, now: float, left: int, prefilling: list[Request]) -> int:
         """Prompt tokens per micro-batch that bring the admitted prompts (`prefilling`, in
         order, `left` tokens in all) and then the first waiting requests to their first
-        token within the TTFT target (0 without one): for each, the prompt tokens up to and
-        including its own over the micro-batches left before its deadline (admitted ones
-        count: with pages plentiful a request waits for its first chunk, not in the queue)."""
+        token within 0.95 of the TTFT target (0 without one; the p99's room, as for TBT):
+        for each, the prompt tokens up to and including its own over the micro-batches left
+        before its deadline (admitted ones count: with pages plentiful a request waits for
+        its first chunk, not in the queue)."""
         b = self.budget
         if b.ttft_slo_s is None:
             return 0
         per_mb, need, tokens = b.base_s, 0.0, 0  # seconds of one micro-batch
+        ttft = MARGIN * b.ttft_slo_s  # the TBT target's room for the tail, on this one too
 
         def share(tokens: int, r: Request) -> float:  # over the micro-batches left for r
-            return tokens * per_mb / max(b.ttft_slo_s - (now - r.arrival_s) - self.pp * per_mb, per_mb)
+            return tokens * per_mb / max(ttft - (now - r.arrival_s) - self.pp * per_mb, per_mb)
         for r in prefilling:
             tokens += r.prefill_len - r.num_scheduled
             need = max(need, share(tokens, r))

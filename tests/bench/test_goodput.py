@@ -56,3 +56,23 @@ def test_rates_are_probed_up_to_the_work_bound_not_the_offline_throughput():
     assert st.bound > 40  # req/s: LLaMA-2-70B P:D 1's work bound, ~4x its offline rate (11.7)
     # a request's life at 5x the unloaded time between tokens
     assert st.life_s == pytest.approx(st.mean_output * 5 * st.tbt_unloaded)
+
+
+def test_a_capacity_is_bisected_between_its_grid_rate_and_the_next():
+    """A toy setting whose probes meet the targets up to 1.06 x the grid rate q: the grid
+    says q; two bisections on a log scale try q x 1.1^(1/2) (met) and q x 1.1^(3/4) (missed)
+    and give q x 1.1^(1/2); none gives q; past the work bound it is not probed."""
+    st = goodput.Setting.__new__(goodput.Setting)
+    q, probed = 2.0, []
+    st.bound, st.runs = 100.0, {}
+    st.run = lambda planner, knobs, qps: probed.append(qps) or {"qps": qps}
+    st.ok = lambda r, slo: r["qps"] <= 1.06 * q
+    assert st.refine("uniform", {}, 0.1, q)[0] == pytest.approx(q * 1.1 ** 0.5, rel=1e-6)
+    assert probed[:2] == pytest.approx([q * 1.1 ** 0.5, q * 1.1 ** 0.75], rel=1e-6)
+    goodput.REFINE, probed[:] = 0, []
+    try:
+        assert st.refine("uniform", {}, 0.1, q)[0] == q and probed == [q]
+    finally:
+        goodput.REFINE = 2
+    st.bound = 2.05  # the next grid rate (2.2) is past the bound: bisect towards the bound
+    assert st.refine("uniform", {}, 0.1, q)[0] == pytest.approx(math.sqrt(math.sqrt(q * 2.05) * 2.05), rel=1e-6)

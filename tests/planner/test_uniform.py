@@ -180,16 +180,17 @@ def test_the_tbt_target_cuts_the_chunk_by_the_round():
     assert beside_a_decode(p) == [(0, 1, True), (1, 656, False)]
 
 
-@pytest.mark.parametrize("ttft_ms,chunk", [(None, 406), (110.0, 996)])
+@pytest.mark.parametrize("ttft_ms,chunk", [(None, 406), (110.0, 1079)])
 def test_an_admitted_prompt_near_its_ttft_target_takes_up_to_t(ttft_ms, chunk):
     """S = 30 ms, pp 2, 2 in flight; request 0 decodes (its last token at 0), request 1's
     5000-token prompt is admitted (the queue is empty) and the micro-batch is composed at
     10 ms. The round's deadline: 0.95 x 30 = 28.5 ms; the decode alone ends at 10 + 2 x
     1.111 = 12.222 ms; half of the slack: 20.361 ms >= 10 + 2 x (1.111 + 0.01 n) -> n = 406.
     With a TTFT target of 110 ms the prompt needs 5000 tokens over the micro-batches left
-    before its deadline: 110 - 10 - 2 x T (T = 14.25 ms) = 71.5 ms, 5.02 of them: 996 a
-    micro-batch; that much goes, past the round's deadline (all of the slack would be 813)
-    but within T (1 + 0.01 (n + 1) + 0.101 <= 14.25 ms -> n <= 1313)."""
+    before its deadline, planned to 0.95 of the target as the TBT's is: 104.5 - 10 - 2 x T
+    (T = 14.25 ms) = 66 ms, 4.63 of them: 1079 a micro-batch; that much goes, past the
+    round's deadline (all of the slack would be 813) but within T (1 + 0.01 (n + 1) + 0.101
+    <= 14.25 ms -> n <= 1313)."""
     extra = {} if ttft_ms is None else {"ttft_slo_ms": ttft_ms}
     p = toy(in_flight=2, tbt_slo_ms=30.0, **extra)
     assert beside_a_decode(p, 0.010) == [(0, 1, True), (1, chunk, False)]
