@@ -186,8 +186,8 @@ class GrowthReserve:
     Where finishing requests free pages as fast as running ones grow (a served load) the
     reserve only idles memory, so the floor is none, as in vLLM and Sarathi-Serve (the
     watermark only; gLLM stops at 0.1); a burst that outgrows the pool preempts, and the
-    reserve climbs back. docs/planner.md, "Memory": GPT-3 P:D 1 at 3x and 5x, and the same
-    at half its KV."""
+    reserve climbs back. docs/measurements/baselines.md, "Memory: the growth reserve
+    adapts": GPT-3 P:D 1 at 3x and 5x, and the same at half its KV."""
 
     START, FLOOR, FALL, RISE = 0.3, 0.0, 0.002, 0.05
 
