@@ -27,10 +27,8 @@ Rows are bounded by KV pages and by time, not by a hand count:
   - admission takes arrived requests first come first served under a latency target; with
     none (the makespan), least slack first: longest first among requests arriving together,
     so the longest decode tails start first instead of ending the run alone (`order.py`);
-  - admission takes a request when the pages of its prompt are free beyond a share
-    (`GrowthReserve`: 0.3 falling to none, rising after preemptions) of the growth the
-    running requests still owe (their expected output: `max_tokens` times the share
-    finished requests used);
+  - admission takes a request when its prompt's pages are free beyond a share (adaptive:
+    `GrowthReserve`) of the growth running requests owe (expected: `max_tokens` x `out_share`);
   - with a TBT target, admission also stops at the rows the period holds: depth x the
     decodes d that fit in T = margin x S / depth beside the prompt tokens that keep pace with
     them (d x the requests' prompt tokens per output token), at the running requests' mean
@@ -213,16 +211,15 @@ class UniformPlanner(BasePlanner):
 
     def prefill_need(self, now: float, left: int, prefilling: list[Request]) -> int:
         """Prompt tokens per micro-batch that bring the admitted prompts (`prefilling`, in
-        order, `left` tokens in all) and then the first waiting requests to their first
-        token within 0.95 of the TTFT target (0 without one; the p99's room, as for TBT):
-        for each, the prompt tokens up to and including its own over the micro-batches left
-        before its deadline (admitted ones count: with pages plentiful a request waits for
-        its first chunk, not in the queue)."""
+        order, `left` tokens in all) and then the first waiting requests to their first token
+        within 0.95 of the TTFT target (0 without one): for each, the prompt tokens up to and
+        including its own over the micro-batches left before its deadline (admitted ones
+        count: with pages plentiful a request waits for its first chunk, not in the queue)."""
         b = self.budget
         if b.ttft_slo_s is None:
             return 0
         per_mb, need, tokens = b.base_s, 0.0, 0  # seconds of one micro-batch
-        ttft = MARGIN * b.ttft_slo_s  # the TBT target's room for the tail, on this one too
+        ttft = MARGIN * b.ttft_slo_s  # the p99's room, as the TBT target keeps
 
         def share(tokens: int, r: Request) -> float:  # over the micro-batches left for r
             return tokens * per_mb / max(ttft - (now - r.arrival_s) - self.pp * per_mb, per_mb)
