@@ -17,9 +17,12 @@ bounds it, so an offline batch runs at the knee. Each micro-batch:
      tokens than the round can take, an even share of them per micro-batch (left / depth),
      so prompt work spreads over the round instead of making a few micro-batches heavy.
      A prompt's last chunk leaves room to the next prompts (packing); its next chunk may
-     follow the previous ones in flight (chunk pipelining). With no decode aboard at least
-     K / 8 tokens go (with a target, at most what fits in T), so prompts always move;
-     beside decodes, whatever fits, however small. A last chunk that does not end its
+     follow the previous ones in flight (chunk pipelining). With no decode aboard and no
+     token due, at least K / 8 tokens go (with a target, at most what fits in T), so
+     prompts always move; with a token due, fewer than K / 8 go alone only as the TTFT
+     target needs them (else the slot waits: a few tokens would hold one of the
+     pipeline's slots, and the decode that comes back next waits for a slot); beside
+     decodes, whatever fits, however small. A last chunk that does not end its
      prompt gives back the tokens past the micro-batch's last whole tile when they cost
      more per token than the micro-batch does on average (`overhang`): a partly filled
      tile costs nearly a whole one.
@@ -290,7 +293,8 @@ class UniformPlanner(BasePlanner):
         """Prefill chunks beside decodes of these KV lengths, up to K tokens in all and, with
         a TBT target, while the micro-batch comes back by `bound`: the first prompt's next
         chunk, then (packing) the next prompts'. With no token due anywhere at least
-        `alone_chunk()` tokens, so prompts always move; else only what fits."""
+        `alone_chunk()` tokens, so prompts always move; else only what fits, and alone
+        (no decode aboard) K / 8 or what the TTFT target needs, or nothing."""
         chunks: list[tuple[int, int]] = []
         room = min(self.top - len(kv), even)
         picks, tokens = [], len(kv)
@@ -300,6 +304,8 @@ class UniformPlanner(BasePlanner):
             if n < min(left, self.min_chunk):  # too little room for a useful chunk
                 if chunks or (n <= 0 and (kv or bound < INF)):
                     break
+                if not kv and bound < INF and n > self.urgent:  # alone, not for a first
+                    break  # token: a slot of the pipeline is worth more than n tokens
                 if bound == INF and not kv:  # alone, no token due: prompts always move
                     n = min(left, self.alone_chunk())  # (else what fits, however small)
             chunks.append((start, n))

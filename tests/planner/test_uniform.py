@@ -217,6 +217,24 @@ def test_a_token_on_its_way_bounds_the_prompt_chunk_ahead_of_its_next_decode():
     assert [(s.request_id, s.num_tokens) for s in p.schedule(0.0).seqs] == [(1, 737)]
 
 
+@pytest.mark.parametrize("ttft_ms,chunk", [(None, None), (96.8, 209)])
+def test_alone_a_chunk_under_k_over_8_waits_unless_a_first_token_needs_it(ttft_ms, chunk):
+    """As above with S = 7.5 ms: request 0's next token is due by 4 + 7.125 = 11.125 ms; half
+    of the slack: 5 + 3.0625 = 8.0625 ms >= 2 + 2 x (1 + 0.01 n) -> n = 203, under K / 8 =
+    224. Alone (no decode aboard) such a chunk would take one of the pipeline's slots for a
+    few tokens, and the decode behind it would wait for a slot: nothing is planned. With a
+    TTFT target of 96.8 ms the prompt needs 5000 x T / (0.95 x 96.8 - 2 T) = 209.9 tokens a
+    micro-batch (T = 0.95 x 7.5 / 2 = 3.5625 ms): 209 go."""
+    extra = {} if ttft_ms is None else {"ttft_slo_ms": ttft_ms}
+    p = toy(in_flight=2, tbt_slo_ms=7.5, **extra)
+    add(p, 0, 100, 50)
+    assert p.schedule(0.0).seqs[0].num_tokens == 100
+    add(p, 1, 5000, 4)
+    mb = p.schedule(0.0)
+    assert (None if mb is None else [(s.request_id, s.num_tokens) for s in mb.seqs]
+            ) == (None if chunk is None else [(1, chunk)])
+
+
 @pytest.mark.parametrize("prompt,rows", [(100, 218), (900, 26)])
 def test_rows_under_a_target_keep_pace_with_the_prompts_they_bring(prompt, rows):
     """S = 30 ms, 2 in flight: T = 0.95 x 30 / 2 = 14.25 ms. Requests of 100 output tokens
