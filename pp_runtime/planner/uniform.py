@@ -17,11 +17,10 @@ bounds it, so an offline batch runs at the knee. Each micro-batch:
      tokens than the round can take, an even share of them per micro-batch (left / depth),
      so prompt work spreads over the round instead of making a few micro-batches heavy.
      A prompt's last chunk leaves room to the next prompts (packing); its next chunk may
-     follow the previous ones in flight (chunk pipelining). With no decode aboard and no
-     token due, at least K / 8 tokens go (with a target, at most what fits in T), so
-     prompts always move; with a token due, fewer than K / 8 go alone only as the TTFT
-     target needs them (else the slot waits: a few tokens would hold one of the
-     pipeline's slots, and the decode that comes back next waits for a slot); beside
+     follow the previous ones in flight (chunk pipelining). Alone (no decode aboard) at
+     least K / 8 tokens go (with a target, at most what fits in T), or with a token due
+     none unless the TTFT target needs them: a few tokens would hold one of the
+     pipeline's slots, and the decode that comes back next would wait for it. Beside
      decodes, whatever fits, however small. A last chunk that does not end its
      prompt gives back the tokens past the micro-batch's last whole tile when they cost
      more per token than the micro-batch does on average (`overhang`): a partly filled
