@@ -123,6 +123,15 @@ class TimeBudget:
         """T in the cost model's seconds: the budget less what the pipeline measured slower."""
         return self.base_s / self.residual
 
+    @property
+    def pace_s(self) -> float:
+        """T at the 0.95 margin, whatever `late` made it: what a micro-batch may carry at
+        the target's pace. Late returns are noise added to a round, not a cost of each row,
+        so admission's row count is priced on this (rounds are still planned to T)."""
+        if self.target_s is not None or self.tbt_slo_s is None:
+            return self.period_s
+        return MARGIN * self.tbt_slo_s / self.depth / self.residual
+
     def time(self, prefills: Sequence[tuple[int, int]], kv: Sequence[int]) -> float:
         """The cost model's seconds for a micro-batch (compare with `period_s`)."""
         return self.cost.microbatch_time(prefills, kv)

@@ -32,12 +32,12 @@ Rows are bounded by KV pages and by time, not by a hand count:
   - admission takes a request when its prompt's pages are free beyond a share (adaptive:
     `GrowthReserve`) of the growth running requests owe (expected: `max_tokens` x `out_share`);
   - with a TBT target, admission also stops at the rows the period holds: depth x the
-    decodes d that fit in T = margin x S / depth beside the prompt tokens that keep pace with
-    them (d x the requests' prompt tokens per output token), at the running requests' mean
-    mid-life KV length; with a TTFT target `planner.ttft_slo_ms`, what the prompts need
-    per micro-batch to reach their first tokens in time (admitted ones first, then the
-    queue) may take the micro-batch up to T, past the round's deadline: a first token at
-    risk outranks one time between tokens, and T bounds how far the round stretches.
+    decodes d that fit in 0.95 S / depth (late returns left out) beside the prompt tokens
+    that keep pace (d x the requests' prompt tokens per output token), at the running
+    requests' mean mid-life KV length; with a TTFT target `planner.ttft_slo_ms`, what the
+    prompts need per micro-batch to reach their first tokens in time (admitted ones first,
+    then the queue) may take the micro-batch up to T, past the round's deadline: a first
+    token at risk outranks one time between tokens, and T bounds how far it stretches.
 `chunk_size` and `max_batch_size` are optional caps (tokens and rows per micro-batch);
 `target_ms` sets T by hand. Predictions are corrected by what comes back: the pipeline
 clock shifts by each returned micro-batch's error, and `TimeBudget.observe` scales stage
@@ -193,7 +193,7 @@ class UniformPlanner(BasePlanner):
         admit new requests as fast as old ones finish."""
         if not self.bounded:
             return INF
-        b, period = self.budget, self.budget.period_s
+        b, period = self.budget, self.budget.pace_s  # not T: late returns are noise
         share = lambda d: min(self.top, math.ceil(d * mix))  # noqa: E731
         same = getattr(b.cost, "with_chunk_decodes", None)
         if same is not None and same((), 1, kv) is not None:  # the same seconds, no lists
