@@ -22,7 +22,8 @@ lowering the time per token: they only lengthen the wait for a first token. Belo
 weights are read for too few tokens. With no target, T is unbounded and K alone sets the
 micro-batch (decodes first, prefill to K), so an offline batch runs at the knee.
 
-T sizes the rows (admission); each micro-batch is then bounded by the round it starts.
+T at the 0.95 margin (`pace_s`) sizes the rows (admission); each micro-batch is then
+bounded by the round it starts.
 `PipelineClock` replays the pipeline on predicted stage times (in order, stage by stage,
 sends included), so it knows when each micro-batch in flight will come back. A new one
 may come back no later than S after the last token of every decode it carries; its
