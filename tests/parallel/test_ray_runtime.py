@@ -111,14 +111,20 @@ def test_tp2_pp2_greedy_survives_preemption(hf_checkpoint):
     """TP2 x PP2 with a pool of one context (16 blocks of 4) for five requests: they are
     preempted and recomputed, every stage reads the planner's block tables, and the tokens
     are the single-process run's. On llama (its KV heads split across the TP ranks); the
-    block tables do not depend on the family."""
+    block tables do not depend on the family.
+
+    The preemption is certain, whatever the timing: the first two prompts (24 tokens, 6
+    blocks each) are admitted together (6 + 0.3 x 3 blocks of growth each fit in 16) and
+    end at 24 + 11 positions, 9 blocks each, 18 > 16; the one ahead needs its 9th block
+    while the other, at most a round behind, still runs."""
     family, _, path = hf_checkpoint
+    prompts = [[(5 * i + 11 * j) % 290 + 1 for j in range(24)] for i in range(2)] + PROMPTS[1:]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLM.from_pretrained(path, **PLAN, executor="local", pp=1) as llm:
-        reference = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        reference = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM.from_pretrained(path, **PLAN, tp=2, pp=2, max_seq_len=64, block_size=4,
                              num_blocks=16) as llm:
-        outs = llm.generate(PROMPTS, params)
+        outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.num_preemptions for o in outs) >= 1
 
