@@ -6,7 +6,7 @@ GPT-2-small shapes with random weights (`configs/cpu/gpt2_pp2.yaml`). In one run
 for each planner (default sarathi, orca-best, uniform):
   1. capacity on the simulator: the highest Poisson QPS whose p99 time between tokens
      (TBT) and median TTFT meet the SLOs (`capacity.capacity_search`, Sarathi-Serve's
-     metric), priced with a profile of this machine (measured first, or --profile DIR);
+     metric; `--ttft-key p99`: the p99 TTFT, as benchmarks/goodput.py), priced with a profile of this machine (measured first, or --profile DIR);
   2. `pp-runtime serve --set planner=P` started as a subprocess on 127.0.0.1 (ready when
      /health answers 200), and the same search against it through the load generator
      (streaming HTTP, client-side TTFT and TBT), starting from the simulator's capacity;
@@ -116,7 +116,7 @@ def run_planner(spec: str, cfg, args, out: Path, profile: str, sets: list[str]) 
     c = cfg.with_overrides(**_parsed(pairs))
     print(f"== {planner}", flush=True)
     sim = capacity_search(sim_probe(c.with_overrides(**{"hardware.profile": profile}),
-                                    args.tbt_slo, args.ttft_slo),
+                                    args.tbt_slo, args.ttft_slo, ttft_key=args.ttft_key),
                           args.start_qps, args.rel_tol, SIM_MAX_PROBES, max_qps=args.max_qps)
     print(f"  simulator: capacity {sim.qps:.3f} req/s; " + ", ".join(
         f"{p.qps:.3g}: {ms(p.tbt_p99_s)}/{ms(p.ttft_p50_s)}{'' if p.ok else ' x'}" for p in sim.curve),
@@ -131,7 +131,8 @@ def run_planner(spec: str, cfg, args, out: Path, profile: str, sets: list[str]) 
         print(f"  server ready in {server.ready_s:.1f} s at {server.url}", flush=True)
 
         def probe(q):
-            p = server_probe(server.url, c, args.tbt_slo, args.ttft_slo, progress=not args.quiet)(q)
+            p = server_probe(server.url, c, args.tbt_slo, args.ttft_slo, progress=not args.quiet,
+                             ttft_key=args.ttft_key)(q)
             s = p.detail
             print(f"  server {q:7.3f} req/s: p99 TBT {ms(p.tbt_p99_s)}, p50 TTFT {ms(p.ttft_p50_s)}, "
                   f"{s['output_tok_s']:.0f} tok/s, SLO attainment {s['slo_attainment']['both']:.0%}"
@@ -148,7 +149,7 @@ def run_planner(spec: str, cfg, args, out: Path, profile: str, sets: list[str]) 
 
 def table(rows: list[dict], args) -> list[str]:
     floor = args.requests / args.max_probe_s
-    lines = [f"capacity: highest Poisson QPS with p99 TBT <= {ms(args.tbt_slo)} and median TTFT <= "
+    lines = [f"capacity: highest Poisson QPS with p99 TBT <= {ms(args.tbt_slo)} and {args.ttft_key} TTFT <= "
              f"{ms(args.ttft_slo)}, {args.requests} requests per probe (server probes >= "
              f"{floor:.2f} and <= {args.max_qps:.2f} req/s)",
              f"{'planner':<11}{'server req/s':>13}{'sim req/s':>11}{'sim/server':>11}"
@@ -193,7 +194,10 @@ def main() -> None:
                     help="comma-separated NAME[:FIELD=VALUE;...] (knobs joined by ';')")
     ap.add_argument("--requests", type=int, help="requests per probe (default 32; --quick 12)")
     ap.add_argument("--tbt-slo", type=float, default=None, help="p99 TBT SLO, s (default 1.5; --quick 1.0)")
-    ap.add_argument("--ttft-slo", type=float, default=None, help="median TTFT SLO, s (default 5; --quick 2)")
+    ap.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO, s (default 5; --quick 2)")
+    ap.add_argument("--ttft-key", choices=("median", "p99"), default="median",
+                    help="what the TTFT SLO bounds: the median (Sarathi-Serve's scheduling delay, "
+                         "the default) or the p99 (benchmarks/goodput.py's, issue 34's)")
     ap.add_argument("--start-qps", type=float, default=0.5, help="the simulator search's first probe")
     ap.add_argument("--max-probes", type=int, default=None,
                     help="per server search (default 6; --quick 4); the simulator's: 12")

@@ -118,9 +118,10 @@ def sim_probe(cfg: Config, tbt_slo: float, ttft_slo: float | None,
 
 def server_probe(url: str, cfg: Config, tbt_slo: float, ttft_slo: float | None,
                  api_key: str | None = None, progress: bool = True,
-                 vocab_size: int | None = None) -> Callable[[float], Probe]:
+                 vocab_size: int | None = None, ttft_key: str = "median") -> Callable[[float], Probe]:
     """probe(qps) against the server at url: cfg's workload at that rate, streamed
-    (prompt ids below vocab_size, default the config model's)."""
+    (prompt ids below vocab_size, default the config model's); the TTFT SLO bounds the
+    median or the p99 (`ttft_key`), as `sim_probe`'s."""
     from pp_runtime.bench.loadgen import load_test
 
     def probe(qps: float) -> Probe:
@@ -128,7 +129,7 @@ def server_probe(url: str, cfg: Config, tbt_slo: float, ttft_slo: float | None,
         prompts = workload_prompts(specs, vocab_size or cfg.model.vocab_size, cfg.workload.seed)
         s, _ = load_test(url, specs, prompts, api_key=api_key, ttft_slo=ttft_slo,
                          tbt_slo=tbt_slo, progress=progress, desc=f"{qps:.3g} req/s")
-        tbt, ttft = s["tbt_s"]["p99"], s["ttft_s"]["median"]  # the run report's keys, as sim_probe
+        tbt, ttft = s["tbt_s"]["p99"], s["ttft_s"][ttft_key]  # the run report's keys, as sim_probe
         return Probe(qps, tbt, ttft, meets(tbt, ttft, tbt_slo, ttft_slo, s["failed"]), s)
 
     return probe
