@@ -96,9 +96,10 @@ def test_offline_and_http_send_the_same_prompts(seed):
 GAP_S = 0.05
 
 
-def fake_server():
+def fake_server(first_s=None):
     """An aiohttp app in a thread: /v1/models, and /v1/completions streaming max_tokens
-    tokens one event each, GAP_S apart, or 429 when max_tokens == 99. Yields its URL."""
+    tokens one event each, GAP_S apart (the first after `first_s(max_tokens)` when given),
+    or 429 when max_tokens == 99. Yields its URL."""
     from aiohttp import web
 
     async def models(_):
@@ -112,7 +113,7 @@ def fake_server():
         await resp.prepare(request)
         n = body["max_tokens"]
         for k in range(n):
-            await asyncio.sleep(GAP_S)
+            await asyncio.sleep(first_s(n) if k == 0 and first_s else GAP_S)
             chunk = {"choices": [{"index": 0, "text": str(k), "token_ids": [k],
                                   "finish_reason": "length" if k == n - 1 else None}]}
             if k == n - 1:
@@ -159,6 +160,28 @@ def test_client_times_every_streamed_token_and_counts_rejections():
     assert (s["completed"], s["failed"], s["rejected"], s["output_tokens"]) == (2, 1, 1, 8)
     assert s["slo_attainment"]["both"] == pytest.approx(2 / 3)
     assert s["server_median"]["bubble_s"] == 0.01
+
+
+def test_server_probe_bounds_the_median_or_the_p99_ttft():
+    """A server whose first token takes 20 ms per requested token: the median and the p99
+    TTFT of one load differ, and `ttft_key` picks which one the SLO bounds (between the
+    two: met on the median, missed on the p99)."""
+    from pp_runtime.bench.capacity import server_probe
+
+    url, stop = fake_server(first_s=lambda n: 0.02 * n)
+    cfg = load_config("tiny", **{"workload.num_requests": 8, "workload.min_len": 8,
+                                 "workload.max_len": 40, "workload.pd_ratio": 1})
+    try:
+        first = server_probe(url + "/v1", cfg, 10.0, 100.0, progress=False)(50.0)
+        ttft = first.detail["ttft_s"]
+        assert first.ttft_p50_s == ttft["median"] and ttft["p99"] > 1.2 * ttft["median"], ttft
+        slo = (ttft["median"] + ttft["p99"]) / 2
+        median = server_probe(url + "/v1", cfg, 10.0, slo, progress=False)(50.0)
+        p99 = server_probe(url + "/v1", cfg, 10.0, slo, progress=False, ttft_key="p99")(50.0)
+    finally:
+        stop()
+    assert p99.ttft_p50_s == p99.detail["ttft_s"]["p99"]
+    assert median.ok and not p99.ok, (median, p99)
 
 
 def test_unreachable_server_is_one_line_and_exit_2():
