@@ -134,7 +134,7 @@ def run_planner(spec: str, cfg, args, out: Path, profile: str, sets: list[str]) 
             p = server_probe(server.url, c, args.tbt_slo, args.ttft_slo, progress=not args.quiet,
                              ttft_key=args.ttft_key)(q)
             s = p.detail
-            print(f"  server {q:7.3f} req/s: p99 TBT {ms(p.tbt_p99_s)}, p50 TTFT {ms(p.ttft_p50_s)}, "
+            print(f"  server {q:7.3f} req/s: p99 TBT {ms(p.tbt_p99_s)}, {args.ttft_key} TTFT {ms(p.ttft_p50_s)}, "
                   f"{s['output_tok_s']:.0f} tok/s, SLO attainment {s['slo_attainment']['both']:.0%}"
                   f"{'' if p.ok else ' (misses)'}", flush=True)
             return p
