@@ -254,7 +254,8 @@ def main() -> None:
         for where in ("server", "sim"):
             curves[f"{r['planner']} ({where})"] = [Probe(**p) for p in r[where]["probes"]]
     path = plot_latency(curves, args.tbt_slo, args.ttft_slo, out / "latency_vs_qps.png",
-                        f"{cfg.model.name} PP={cfg.parallel.pp} on this CPU, {args.requests} requests per probe")
+                        f"{cfg.model.name} PP={cfg.parallel.pp} on this CPU, {args.requests} requests per probe",
+                        args.ttft_key)
     for r in rows:  # token lists are long: keep counts only
         for k in ("offline", "served"):
             if k in r:

@@ -14,7 +14,7 @@ Each probe is a run of the same N requests (same seed, so the same lengths; Pois
 arrivals at the probed rate) against a real server (`server_probe`, through the load
 generator) or on the simulator (`sim_probe`, the same planner and driver on the cost
 model). `ServerProcess` starts and stops `pp-runtime serve` for a benchmark, and
-`latency_figure` draws p99 TBT and p50 TTFT against QPS for each planner.
+`latency_figure` draws p99 TBT and the median (or p99) TTFT against QPS for each planner.
 """
 from __future__ import annotations
 
@@ -179,8 +179,9 @@ class ServerProcess:
 
 
 def latency_figure(curves: dict[str, list[Probe]], tbt_slo: float, ttft_slo: float | None,
-                   title: str = ""):
-    """Two panels against QPS: p99 TBT and p50 TTFT, one line per curve (label -> probes),
+                   title: str = "", ttft_key: str = "median"):
+    """Two panels against QPS: p99 TBT and the TTFT the SLO bounds (`ttft_key`: the median
+    or the p99, what the probes hold), one line per curve (label -> probes),
     SLOs dashed grey; hollow markers for probes that missed an SLO. Labels "NAME (where)"
     share NAME's colour and marker; each `where` has its own line style."""
     import matplotlib.pyplot as plt
@@ -204,10 +205,10 @@ def latency_figure(curves: dict[str, list[Probe]], tbt_slo: float, ttft_slo: flo
                 ax.plot(xi, yi, marker=style["marker"], color=style["color"], markersize=6,
                         markerfacecolor=style["color"] if p.ok else "white")
     for ax, slo, name in ((axes[0], tbt_slo, "p99 time between tokens"),
-                          (axes[1], ttft_slo, "median TTFT")):
+                          (axes[1], ttft_slo, f"{ttft_key} TTFT")):
         latency_axis(ax, slo, name, "request rate (QPS, Poisson)")
     axes[0].set_title("p99 TBT (filled: probe met the SLOs)", fontsize=10)
-    axes[1].set_title("median TTFT", fontsize=10)
+    axes[1].set_title(f"{ttft_key} TTFT", fontsize=10)
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
@@ -226,7 +227,7 @@ def latency_axis(ax, slo: float | None, name: str, xlabel: str, fontsize: int = 
 
 
 def plot_latency(curves: dict[str, list[Probe]], tbt_slo: float, ttft_slo: float | None,
-                 path: Path, title: str = "") -> Path:
+                 path: Path, title: str = "", ttft_key: str = "median") -> Path:
     from pp_runtime.telemetry.plots import _save
 
-    return _save(latency_figure(curves, tbt_slo, ttft_slo, title), Path(path))
+    return _save(latency_figure(curves, tbt_slo, ttft_slo, title, ttft_key), Path(path))

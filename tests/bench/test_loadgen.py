@@ -283,3 +283,15 @@ def test_load_against_a_real_pp2_server(tiny_server):
     assert s["slo_attainment"] == {"ttft": 1.0, "tbt": 1.0, "both": 1.0}
     assert s["tbt_s"]["p99"] > 0 and s["output_tok_s"] > 0
     assert set(results[0].server_timing) >= {"queue_s", "ttft_s", "generation_s", "bubble_s"}
+
+
+@pytest.mark.parametrize("key", ["median", "p99"])
+def test_the_latency_figure_names_the_ttft_its_probes_hold(key):
+    from pp_runtime.bench.capacity import latency_figure
+
+    probes = [Probe(0.5, 0.2, 1.0, True), Probe(1.0, 0.4, 3.0, False)]
+    fig = latency_figure({"uniform (server)": probes}, 0.3, 2.0, ttft_key=key)
+    tbt, ttft = fig.axes
+    assert tbt.get_title().startswith("p99 TBT") and ttft.get_title() == f"{key} TTFT"
+    assert ttft.get_ylabel() == f"{key} TTFT (s)"
+    assert list(ttft.lines[0].get_ydata()) == [1.0, 3.0]
