@@ -6,7 +6,8 @@ GPT-2-small shapes with random weights (`configs/cpu/gpt2_pp2.yaml`). In one run
 for each planner (default sarathi, orca-best, uniform):
   1. capacity on the simulator: the highest Poisson QPS whose p99 time between tokens
      (TBT) and median TTFT meet the SLOs (`capacity.capacity_search`, Sarathi-Serve's
-     metric; `--ttft-key p99`: the p99 TTFT, as benchmarks/goodput.py), priced with a profile of this machine (measured first, or --profile DIR);
+     metric; `--ttft-key p99`: the p99 TTFT, as benchmarks/goodput.py), priced with a
+     profile of this machine (measured first, or --profile DIR);
   2. `pp-runtime serve --set planner=P` started as a subprocess on 127.0.0.1 (ready when
      /health answers 200), and the same search against it through the load generator
      (streaming HTTP, client-side TTFT and TBT), starting from the simulator's capacity;
