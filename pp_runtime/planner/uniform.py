@@ -89,6 +89,7 @@ class UniformPlanner(BasePlanner):
         self.out_share = 1.0  # of max_tokens, what finished requests generated (moving average)
         self.reserve = GrowthReserve()  # share of the owed growth admission keeps free
         self.predicted: dict[int, float] = {}  # mb_id -> predicted seconds
+        self.prompt_in_flight: dict[int, int] = {}  # mb_id -> its prompt tokens, till back
         self.clock = PipelineClock(cost_model, self.pp)
         send = getattr(cost_model, "send_time", None)  # a sampled token's hop to stage 0
         self.hop_s = send(1, 1) if send is not None and self.pp > 1 else 0.0
@@ -255,13 +256,21 @@ class UniformPlanner(BasePlanner):
         kv = [s.start + 1 for s in seqs]  # a decode's kv_len
         bound = self.round_bound(now, [r.request_id for r in ready])
         if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
-            even = max(self.min_chunk, -(-left // self.depth))
+            even = max(self.min_chunk, -(-(left + self.round_prompt()) // self.depth))
             self.urgent = self.prefill_need(now, left, prefilling)  # compose's pass counted them
             returning = self.due.returning
             start = (self.tokens_back(now, [returning.get(s.request_id) for s in seqs])
                      if self.ahead else now)  # (`tokens_back`'s answer when not ahead)
             seqs += self.fill(start, kv, prefilling, bound, even)
         return seqs
+
+    def round_prompt(self) -> int:
+        """Prompt tokens the micro-batches in flight of this one's round carry (the last
+        depth - 1 scheduled that have not come back): the round's prompt work is theirs and
+        what is left, so the even share counts them (without them each micro-batch took
+        half of what the one before left: 256, 155, 77, 39, 32, 6 tokens of one prompt)."""
+        values = list(self.prompt_in_flight.values())
+        return sum(values[max(0, len(values) - self.depth + 1):]) if self.depth > 1 else 0
 
     def tokens_back(self, now: float, sources) -> float:
         """The earliest stage 0 may start a micro-batch whose decodes planned ahead wait for
@@ -383,6 +392,7 @@ class UniformPlanner(BasePlanner):
                 else:
                     prefills.append((s.start, n))
             times = self.clock.committed_times(prefills, kv)
+            self.prompt_in_flight[mb.mb_id] = tokens - len(kv)
             self.predicted[mb.mb_id] = max(times)
             residual = self.budget.residual
             scaled = [t * residual for t in times]
@@ -394,6 +404,7 @@ class UniformPlanner(BasePlanner):
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         predicted = self.predicted.pop(mb.mb_id, 0.0)
+        self.prompt_in_flight.pop(mb.mb_id, None)
         self.budget.late(self.clock.returned(mb.mb_id, now))
         if out.timings:  # the stage that took longest (StageTiming.compute_s, written out)
             self.budget.observe(predicted, max([t.compute_end_s - t.compute_start_s
