@@ -14,8 +14,9 @@ bounds it, so an offline batch runs at the knee. Each micro-batch:
   2. then prefill chunks, oldest prompt first, up to K tokens in all and half of the
      slack before the round's deadline (binary search on the cost model; the rest is left
      to the micro-batches behind it); when the admitted prompts hold fewer
-     tokens than the round can take, an even share of them per micro-batch (left / depth),
-     so prompt work spreads over the round instead of making a few micro-batches heavy.
+     tokens than the round can take, an even share of them per micro-batch (left / depth,
+     held for the round), so prompt work spreads over the round instead of making a few
+     micro-batches heavy.
      A prompt's last chunk leaves room to the next prompts (packing); its next chunk may
      follow the previous ones in flight (chunk pipelining). Alone (no decode aboard) at
      least K / 8 tokens go (with a target, at most what fits in T), or with a token due
@@ -89,7 +90,8 @@ class UniformPlanner(BasePlanner):
         self.out_share = 1.0  # of max_tokens, what finished requests generated (moving average)
         self.reserve = GrowthReserve()  # share of the owed growth admission keeps free
         self.predicted: dict[int, float] = {}  # mb_id -> predicted seconds
-        self.prompt_in_flight: dict[int, int] = {}  # mb_id -> its prompt tokens, till back
+        self.quota, self.quota_mbs = 0, 0  # the round's even share of prompt tokens, and
+        #                                    the micro-batches of the round it still holds for
         self.clock = PipelineClock(cost_model, self.pp)
         send = getattr(cost_model, "send_time", None)  # a sampled token's hop to stage 0
         self.hop_s = send(1, 1) if send is not None and self.pp > 1 else 0.0
@@ -256,7 +258,7 @@ class UniformPlanner(BasePlanner):
         kv = [s.start + 1 for s in seqs]  # a decode's kv_len
         bound = self.round_bound(now, [r.request_id for r in ready])
         if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
-            even = max(self.min_chunk, -(-(left + self.round_prompt()) // self.depth))
+            even = max(self.min_chunk, self.even_share(left))
             self.urgent = self.prefill_need(now, left, prefilling)  # compose's pass counted them
             returning = self.due.returning
             start = (self.tokens_back(now, [returning.get(s.request_id) for s in seqs])
@@ -264,13 +266,16 @@ class UniformPlanner(BasePlanner):
             seqs += self.fill(start, kv, prefilling, bound, even)
         return seqs
 
-    def round_prompt(self) -> int:
-        """Prompt tokens the micro-batches in flight of this one's round carry (the last
-        depth - 1 scheduled that have not come back): the round's prompt work is theirs and
-        what is left, so the even share counts them (without them each micro-batch took
-        half of what the one before left: 256, 155, 77, 39, 32, 6 tokens of one prompt)."""
-        values = list(self.prompt_in_flight.values())
-        return sum(values[max(0, len(values) - self.depth + 1):]) if self.depth > 1 else 0
+    def even_share(self, left: int) -> int:
+        """Prompt tokens per micro-batch when they are scarce: `left` over the round's depth
+        micro-batches, held for the round (recomputed each micro-batch, each took a share
+        of what the one before left: 256, 155, 77, 39, 32, 6 tokens of one prompt), raised
+        at once when new prompts bring more."""
+        fresh = -(-left // self.depth)
+        if self.quota_mbs <= 0 or fresh > self.quota:
+            self.quota, self.quota_mbs = fresh, self.depth
+        self.quota_mbs -= 1
+        return self.quota
 
     def tokens_back(self, now: float, sources) -> float:
         """The earliest stage 0 may start a micro-batch whose decodes planned ahead wait for
@@ -392,7 +397,6 @@ class UniformPlanner(BasePlanner):
                 else:
                     prefills.append((s.start, n))
             times = self.clock.committed_times(prefills, kv)
-            self.prompt_in_flight[mb.mb_id] = tokens - len(kv)
             self.predicted[mb.mb_id] = max(times)
             residual = self.budget.residual
             scaled = [t * residual for t in times]
@@ -404,7 +408,6 @@ class UniformPlanner(BasePlanner):
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         predicted = self.predicted.pop(mb.mb_id, 0.0)
-        self.prompt_in_flight.pop(mb.mb_id, None)
         self.budget.late(self.clock.returned(mb.mb_id, now))
         if out.timings:  # the stage that took longest (StageTiming.compute_s, written out)
             self.budget.observe(predicted, max([t.compute_end_s - t.compute_start_s

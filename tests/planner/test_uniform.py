@@ -138,24 +138,22 @@ def test_plentiful_prefill_fills_the_knee():
 
 def test_scarce_prefill_is_shared_evenly_over_the_round():
     """Prompt tokens fewer than the round can take (900 < 3 x 1792): a micro-batch gets its
-    even share of the round's prompt tokens (3 in flight: those left and those the
-    micro-batches in flight of its round carry), never under K / 8 = 224: ceil(900 / 3) =
-    300, then ceil((600 + 300) / 3) = 300, then ceil((300 + 600) / 3) = 300; not one full
-    micro-batch and two empty ones, nor each taking a third of what the one before left
-    (300, 224, 224, 152). Once the first comes back, its tokens leave the round."""
+    even share of the round's prompt tokens (3 in flight), held for the round and never
+    under K / 8 = 224: ceil(900 / 3) = 300 three times; not one full micro-batch and two
+    empty ones, nor each a third of what the one before left (300, 224, 224, 152). A new
+    prompt raises the share at once and holds it for a round of its own."""
     p = toy()
     add(p, 0, 1500, 4)
-    mbs = [p.schedule(0.0) for _ in range(3)]
-    assert [mb.seqs[0].num_tokens for mb in mbs] == [500, 500, 500]
+    assert [p.schedule(0.0).seqs[0].num_tokens for _ in range(3)] == [500, 500, 500]
     q = toy()
     add(q, 0, 900, 4)
-    assert [q.schedule(0.0).seqs[0].num_tokens for _ in range(2)] == [300, 300]
+    assert [q.schedule(0.0).seqs[0].num_tokens for _ in range(3)] == [300, 300, 300]
     r = toy()
-    add(r, 0, 2000, 4)
-    first = r.schedule(0.0)
-    assert first.seqs[0].num_tokens == 667  # ceil(2000 / 3)
-    r.on_result(first, SampledTokens(first.mb_id, {}), 0.1)
-    assert r.schedule(0.1).seqs[0].num_tokens == 445  # ceil(1333 / 3): the round is empty again
+    add(r, 0, 900, 4)
+    assert r.schedule(0.0).seqs[0].num_tokens == 300
+    add(r, 1, 1500, 4)  # 600 + 1500 left: ceil(2100 / 3) = 700 > 300; the 100 beside the
+    sizes = [[s.num_tokens for s in r.schedule(0.0).seqs] for _ in range(4)]  # 600 are < K/8
+    assert sizes == [[600], [700], [700], [100]]
 
 
 class TileToy:
