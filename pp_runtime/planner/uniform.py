@@ -47,27 +47,24 @@ docs/planner.md has the measurements (benchmarks/goodput.py).
 """
 from __future__ import annotations
 
-import math
-
 from pp_runtime.config import Config
 from pp_runtime.core.batch import MicroBatch, SampledTokens, SeqChunk
 from pp_runtime.core.request import Request
+from pp_runtime.planner.admit import INF, UniformAdmission
 from pp_runtime.planner.base import UNBOUNDED_ROWS, BasePlanner
 from pp_runtime.planner.blocks import GrowthReserve
-from pp_runtime.planner.budget import MARGIN, PipelineClock, TimeBudget, largest_at_most
+from pp_runtime.planner.budget import PipelineClock, TimeBudget, largest_at_most
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.due import TokensDue
 from pp_runtime.planner.order import SlackOrder
 
 MAX_PACKED = 16  # prefill chunks in one micro-batch, at most
-QUEUE_LOOKAHEAD = 8  # waiting requests whose TTFT deadlines set the prefill share
-INF = float("inf")
 SLACK_SHARE = 0.5  # of the slack before the round's deadline, what one micro-batch takes
 #                    (a steady round of depth d fills d s / (1 + (d - 1) s) of it; a quarter
 #                    and all of it measured worse: docs/planner.md, "The round")
 
 
-class UniformPlanner(BasePlanner):
+class UniformPlanner(UniformAdmission, BasePlanner):
     name = "uniform"
 
     def __init__(self, cfg: Config, cost_model: CostModel | None = None):
@@ -90,8 +87,7 @@ class UniformPlanner(BasePlanner):
         self.out_share = 1.0  # of max_tokens, what finished requests generated (moving average)
         self.reserve = GrowthReserve()  # share of the owed growth admission keeps free
         self.predicted: dict[int, float] = {}  # mb_id -> predicted seconds
-        self.quota, self.quota_mbs = 0, 0  # the round's even share of prompt tokens, and
-        #                                    the micro-batches of the round it still holds for
+        self.quota, self.quota_mbs = 0, 0  # even share of prompt tokens, micro-batches left
         self.clock = PipelineClock(cost_model, self.pp)
         send = getattr(cost_model, "send_time", None)  # a sampled token's hop to stage 0
         self.hop_s = send(1, 1) if send is not None and self.pp > 1 else 0.0
@@ -132,113 +128,6 @@ class UniformPlanner(BasePlanner):
         made = min(r.params.max_tokens, self.seq_len - r.prompt_len)
         return made + r.prefill_len / (self.top * self.depth)
 
-    # ---- admission ---------------------------------------------------------------------
-    def expected_len(self, r: Request) -> float:
-        """KV length at the end: the prompt and the output the request is expected to make."""
-        cap = min(r.params.max_tokens, self.seq_len - r.prompt_len)
-        return r.prompt_len + max(len(r.output_token_ids), self.out_share * cap)
-
-    def admit(self, now: float) -> None:
-        """FCFS while the prompt's pages are free beyond the running requests' expected
-        growth, and (with a TBT target) while the rows fit the time budget."""
-        waiting, running, kv = self.waiting, self.running, self.kv
-        if self.order is not None:
-            self.order.order(now)
-        if not waiting or waiting[0].arrival_s > now:
-            return
-        if running and self.kv_short(waiting[0]):  # what the loop below would find first
-            return
-        owed, life, prompts, outputs = 0, 0.0, waiting[0].prompt_len, 0.0
-        reserve = self.reserve.share
-        share, seq_len, bs = self.out_share, self.seq_len, kv.block_size
-        for r in running:  # expected_len(r), written out (min and max too): this runs for
-            p = r.prompt_len  # every micro-batch while an arrived request waits
-            cap, room = r.params.max_tokens, seq_len - p
-            if room < cap:
-                cap = room
-            made, expect = len(r.output_token_ids), share * cap
-            end = p + (made if made >= expect else expect)
-            grow = -(-int(end) // bs) - len(r.blocks)
-            owed += (grow if grow > 0 else 0) * reserve
-            life += (p + end) / 2
-            prompts += p
-            outputs = outputs + end - p  # (outputs + end) - p, as it was
-        outputs += self.expected_len(waiting[0]) - waiting[0].prompt_len
-        free = kv.pool.num_free - int(owed)
-        kv_len = life / len(running) if running else waiting[0].prompt_len + 1
-        rows = self.row_cap(now, int(kv_len), prompts / max(outputs, 1.0))
-        while waiting and waiting[0].arrival_s <= now and len(running) < min(self.max_running, rows):
-            req = waiting[0]
-            need = kv.need(req)
-            final = kv.blocks_for(int(self.expected_len(req))) if kv.paged else need
-            growth = (final - need) * reserve
-            if running and need + growth > free - kv.watermark:
-                return
-            if not kv.admit(req, watermark=bool(running)):
-                return
-            free -= need + growth
-            running.append(waiting.popleft())
-
-    def kv_short(self, req: Request) -> bool:
-        """Whether the pool lacks the blocks admission asks of `req` beside running
-        requests (its prompt's and a share of its growth) even before the running
-        requests' owed growth is set aside: then nothing is admitted now."""
-        kv = self.kv
-        need = kv.need(req)
-        final = kv.blocks_for(int(self.expected_len(req))) if kv.paged else need
-        return need + (final - need) * self.reserve.share > kv.pool.num_free - kv.watermark
-
-    def row_cap(self, now: float, kv: int, mix: float) -> float:
-        """Requests that may run at once under the time budget: depth x the largest d such
-        that d decodes at the running requests' mean mid-life KV length fit in T beside the
-        prompt tokens that keep pace with them. Each request brings `mix` prompt tokens per
-        output token, so d decodes a micro-batch need d x mix prompt tokens beside them to
-        admit new requests as fast as old ones finish."""
-        if not self.bounded:
-            return INF
-        b, period = self.budget, self.budget.pace_s  # not T: late returns are noise
-        share = lambda d: min(self.top, math.ceil(d * mix))  # noqa: E731
-        same = getattr(b.cost, "with_chunk_decodes", None)
-        if same is not None and same((), 1, kv) is not None:  # the same seconds, no lists
-            seconds = self.row_s  # the same micro-batches come back call after call
-
-            def fits(d: int) -> bool:
-                n = share(d)
-                t = seconds.get((d, kv, n))
-                if t is None:
-                    first, mid, last = same((), d, kv)(0, n)  # b.time's stages
-                    t = seconds[d, kv, n] = max(first, last) if mid is None else max(first, mid, last)
-                return t <= period
-        else:
-            def fits(d: int) -> bool:
-                return b.time([(0, share(d))], [kv] * d) <= period
-        return max(1, b.largest(fits, 4096)) * self.depth
-
-    def prefill_need(self, now: float, left: int, prefilling: list[Request]) -> int:
-        """Prompt tokens per micro-batch that bring the admitted prompts (`prefilling`, in
-        order, `left` tokens in all) and then the first waiting requests to their first token
-        within 0.95 of the TTFT target (0 without one): for each, the prompt tokens up to and
-        including its own over the micro-batches left before its deadline (admitted ones
-        count: with pages plentiful a request waits for its first chunk, not in the queue)."""
-        b = self.budget
-        if b.ttft_slo_s is None:
-            return 0
-        per_mb, need, tokens = b.base_s, 0.0, 0  # seconds of one micro-batch
-        ttft = MARGIN * b.ttft_slo_s  # the p99's room, as the TBT target keeps
-
-        def share(tokens: int, r: Request) -> float:  # over the micro-batches left for r
-            return tokens * per_mb / max(ttft - (now - r.arrival_s) - self.pp * per_mb, per_mb)
-        for r in prefilling:
-            tokens += r.prefill_len - r.num_scheduled
-            need = max(need, share(tokens, r))
-        tokens = left
-        for i, r in enumerate(self.waiting):
-            if i == QUEUE_LOOKAHEAD or r.arrival_s > now:
-                break
-            tokens += r.prefill_len
-            need = max(need, share(tokens, r))
-        return int(need)
-
     # ---- composing ---------------------------------------------------------------------
     def compose(self, now: float) -> list[SeqChunk]:
         decoding, ready, left, prefilling, pipelining = 0, [], 0, [], self.pipelining
@@ -267,10 +156,9 @@ class UniformPlanner(BasePlanner):
         return seqs
 
     def even_share(self, left: int) -> int:
-        """Prompt tokens per micro-batch when they are scarce: `left` over the round's depth
-        micro-batches, held for the round (recomputed each micro-batch, each took a share
-        of what the one before left: 256, 155, 77, 39, 32, 6 tokens of one prompt), raised
-        at once when new prompts bring more."""
+        """Scarce prompt tokens per micro-batch: `left` / depth, held for the round and
+        raised when new prompts bring more (recomputed each time, one prompt went 256, 155,
+        77, 39, 32, 6)."""
         fresh = -(-left // self.depth)
         if self.quota_mbs <= 0 or fresh > self.quota:
             self.quota, self.quota_mbs = fresh, self.depth
