@@ -42,7 +42,10 @@ def add_parser(sub) -> None:
     sp.add_argument("--vocab-size", type=positive_int,
                     help="prompt token ids are drawn below this (default: the config's model)")
     sp.add_argument("--tbt-slo", type=positive_float, default=None, help="p99 time-between-tokens SLO, s")
-    sp.add_argument("--ttft-slo", type=positive_float, default=None, help="TTFT SLO (median, in a search), s")
+    sp.add_argument("--ttft-slo", type=positive_float, default=None, help="TTFT SLO, s (in a search: on --ttft-key)")
+    sp.add_argument("--ttft-key", choices=("median", "p99"), default="median",
+                    help="what a search's TTFT SLO bounds: the median (Sarathi-Serve's scheduling "
+                         "delay, the default) or the p99 (benchmarks/goodput.py's)")
     sp.add_argument("--capacity", action="store_true",
                     help="search the highest QPS meeting the SLOs (needs --tbt-slo)")
     sp.add_argument("--start-qps", type=positive_float, default=1.0, help="the search's first probe")
@@ -121,19 +124,21 @@ def _capacity(args, cfg, out: Path) -> int:
     cfg = replace(cfg, workload=replace(cfg.workload, qps=None))  # each probe sets its rate
     where = "simulator" if args.simulate else args.url
     if args.simulate:
-        probe = sim_probe(cfg, args.tbt_slo, args.ttft_slo)
+        probe = sim_probe(cfg, args.tbt_slo, args.ttft_slo, ttft_key=args.ttft_key)
     else:
         probe = server_probe(args.url, cfg, args.tbt_slo, args.ttft_slo, args.api_key,
-                             progress=not args.quiet, vocab_size=args.vocab_size)
+                             progress=not args.quiet, vocab_size=args.vocab_size,
+                             ttft_key=args.ttft_key)
+    key = "p50" if args.ttft_key == "median" else "p99"
 
     def verbose(q):
         p = probe(q)
-        print(f"  {q:8.3f} req/s: p99 TBT {_ms(p.tbt_p99_s)}, p50 TTFT {_ms(p.ttft_p50_s)}: "
+        print(f"  {q:8.3f} req/s: p99 TBT {_ms(p.tbt_p99_s)}, {key} TTFT {_ms(p.ttft_p50_s)}: "
               f"{'meets' if p.ok else 'misses'} the SLOs", flush=True)
         return p
 
     print(f"capacity search {'on the' if args.simulate else 'against'} {where}: {cfg.workload.num_requests} requests per probe, "
-          f"p99 TBT <= {_ms(args.tbt_slo)}" + (f", median TTFT <= {_ms(args.ttft_slo)}"
+          f"p99 TBT <= {_ms(args.tbt_slo)}" + (f", {args.ttft_key} TTFT <= {_ms(args.ttft_slo)}"
                                                if args.ttft_slo is not None else ""), flush=True)
     n = cfg.workload.num_requests
     lo, hi = n / args.max_probe_s, n / args.min_probe_s
@@ -145,9 +150,10 @@ def _capacity(args, cfg, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     label = f"{cfg.planner.planner} ({'sim' if args.simulate else 'server'})"
     (out / "capacity.json").write_text(json.dumps(
-        {"where": where, "tbt_slo_s": args.tbt_slo, "ttft_slo_s": args.ttft_slo,
+        {"where": where, "tbt_slo_s": args.tbt_slo, "ttft_slo_s": args.ttft_slo, "ttft_key": args.ttft_key,
          "capacity_qps": cap.qps, "probes": [asdict(p) for p in cap.probes]}, indent=1))
-    path = plot_latency({label: cap.probes}, args.tbt_slo, args.ttft_slo, out / "latency_vs_qps.png")
+    path = plot_latency({label: cap.probes}, args.tbt_slo, args.ttft_slo, out / "latency_vs_qps.png",
+                        ttft_key=args.ttft_key)
     print(f"  wrote {out}/capacity.json, {path}")
     return 0
 

@@ -251,6 +251,26 @@ def test_simulator_capacity_search_on_the_tiny_config():
     assert curve[0].ttft_p50_s <= curve[-1].ttft_p50_s
 
 
+@pytest.mark.parametrize("key", ["median", "p99"])
+def test_bench_serve_capacity_on_the_simulator_bounds_the_ttft_it_is_given(tmp_path, key):
+    """`pp-runtime bench serve --capacity --simulate --ttft-key`: each probe holds the TTFT
+    the key names (its p99, with p99), and the output and capacity.json say which."""
+    r = subprocess.run([sys.executable, "-m", "pp_runtime.cli", "bench", "serve", "--simulate",
+                        "--capacity", "--config", "tiny", "--requests", "20", "--tbt-slo", "1",
+                        "--ttft-slo", "1", "--ttft-key", key, "--max-probes", "2", "--quiet",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    label = "p50" if key == "median" else "p99"
+    assert f"{key} TTFT <= 1000 ms" in r.stdout and f"{label} TTFT" in r.stdout, r.stdout
+    saved = json.loads((tmp_path / "capacity.json").read_text())
+    assert saved["ttft_key"] == key and len(saved["probes"]) == 2
+    held = [(p["ttft_p50_s"], p["detail"]["ttft_p99_s"]) for p in saved["probes"]]
+    if key == "p99":
+        assert all(a == b for a, b in held), held
+    else:  # the median: below the p99 where requests queue
+        assert all(a <= b for a, b in held) and any(a < b for a, b in held), held
+
+
 # ---- a real server -----------------------------------------------------------------------
 @pytest.fixture
 def tiny_server(tmp_path):
