@@ -5,15 +5,16 @@ time between its tokens is about depth x the period of a micro-batch. For a TBT 
 
     T = margin x S / depth                      (margin: room for the tail)
 
-The margin is 0.95, or less where the pipeline's returns come later than the clock
-predicted when it planned them: `late` keeps how late each of the last `TAIL_WINDOW`
-returns came back (against the return predicted at planning, the lateness of the ones
-ahead of it included: its deadline was set then), and the margin is 1 - (their p99) / S
-where that is below 0.95. On the simulator the clock is exact to well under the 5 % of S
-that 0.95 leaves (LLaMA-2-70B TP8 x PP8 at a 25 ms target: p99 0.31 ms late; GPT-3 at
-244 ms: 2.1 ms), so the margin stays 0.95 there; on this CPU's real PP = 2 pipeline
-(Ray calls, two processes on two cores) returns came back up to 66-72 ms late (p99)
-against 15 ms of room at a 300 ms target.
+The margin is 0.95, or what the pipeline's own token gaps call for: `gaps` keeps the
+time between consecutive tokens of every decode as the planner sees them come back, and
+every `TAIL_EVERY` returns, with at least `GAP_MIN` gaps since the margin last moved, reads
+their p99: above S, the margin falls by 0.95 S / p99 (at most `STEP[0]` a reading, never
+under `MIN_MARGIN`); under 0.95 S, it rises back by as much (at most `STEP[1]`, never past
+0.95); between, it holds. On the simulator the gaps stay within S (the margin stays 0.95);
+on this CPU's real PP = 2 pipeline (Ray calls, two processes on two cores) returns come
+back up to 66-83 ms late (p99) against 15 ms of room at a 300 ms target, but a late return
+delays the tokens before and after it alike: margins read from the lateness (1 - p99 late
+/ S, until 2026-11-28) sat at 0.63-0.88 while the p99 gap stayed 70 ms under S.
 
 Beside T, every micro-batch has a token budget K, the throughput knee of the cost model:
 the smallest micro-batch (prefill tokens and decode rows, in whole tiles) whose time per
@@ -49,8 +50,10 @@ KNEE_SLACK = 0.05  # the knee: time per token within 5 % of the best
 KNEE_MAX_TOKENS = 16384  # largest micro-batch the knee search prices
 MARGIN = 0.95  # share of the TBT target a round is planned to: the p99's room
 MIN_MARGIN = 0.5  # the measured tail never takes more than half the target
-TAIL_WINDOW = 256  # returns whose lateness sets the margin (the last ones)
-TAIL_EVERY = 32  # returns between two readings of their p99 (none before the first 32)
+TAIL_EVERY = 32  # returns between two readings of the gaps' p99
+GAP_MIN = 256  # gaps a reading needs since the margin last moved (its p99: the 3rd largest)
+GAP_WINDOW = 2048  # the most gaps kept (the last ones)
+STEP = (0.8, 1.05)  # the most one reading moves the margin: down, up
 RESIDUAL_WEIGHT = 0.05  # moving-average weight of one measured micro-batch
 RESIDUAL_RANGE = (1e-3, 1e3)  # a ratio outside is a measurement gone wrong: clamped (a CPU
 #                              priced on the shipped A100 tables is ~10^2 slower: kept)
@@ -95,11 +98,11 @@ class TimeBudget:
                  ttft_slo_s: float | None = None, target_s: float | None = None):
         self.cost, self.depth = cost, depth
         self.tbt_slo_s, self.ttft_slo_s = tbt_slo_s, ttft_slo_s
-        self.margin = MARGIN  # share of S a round is planned to (`late`)
-        self.errors: deque[float] = deque(maxlen=TAIL_WINDOW)  # the clock's last errors
-        self.returns = 0  # errors folded in
-        self.room = (1 - MARGIN) * tbt_slo_s if tbt_slo_s is not None else 0.0
-        self.over = 0  # errors in the window above `room`
+        self.margin = MARGIN  # share of S a round is planned to (`gaps`)
+        self.gap_s: deque[float] = deque(maxlen=GAP_WINDOW)  # token gaps since it last moved
+        self.returns = 0  # micro-batches folded in by `gaps`
+        self.high = MARGIN * tbt_slo_s if tbt_slo_s is not None else float("inf")  # the margin's aim
+        self.over = 0  # gaps in the window above `high`
         self.target_s = target_s
         self.knee_tokens, self.knee_s = knee(cost, tile)
         if tbt_slo_s is not None:
@@ -126,8 +129,8 @@ class TimeBudget:
 
     @property
     def pace_s(self) -> float:
-        """T at the 0.95 margin, whatever `late` made it: what a micro-batch may carry at
-        the target's pace. Late returns are noise added to a round, not a cost of each row,
+        """T at the 0.95 margin, whatever `gaps` made it: what a micro-batch may carry at
+        the target's pace. A host's jitter is noise added to a round, not a cost of each row,
         so admission's row count is priced on this (rounds are still planned to T)."""
         if self.target_s is not None or self.tbt_slo_s is None:
             return self.period_s
@@ -147,26 +150,33 @@ class TimeBudget:
         self.residual += weight * (ratio - self.residual)
         self.observed += 1
 
-    def late(self, error_s: float | None) -> None:
-        """A micro-batch came back `error_s` after the return the clock predicted when it
-        was planned (negative: early; None: one the clock did not predict). Every
-        TAIL_EVERY returns the margin becomes min(0.95, 1 - p99 / S) of the last
-        TAIL_WINDOW of them (at least MIN_MARGIN), and T follows it."""
-        if self.tbt_slo_s is None or error_s is None:
+    def gaps(self, gaps_s: Sequence[float]) -> None:
+        """A micro-batch came back bringing tokens `gaps_s` after each one's token before.
+        Every TAIL_EVERY returns, with GAP_MIN gaps since the margin last moved, their p99
+        p moves it: by 0.95 S / p where p > S or p < 0.95 S (within STEP), and T with it."""
+        if self.tbt_slo_s is None:
             return
-        errors, room = self.errors, self.room
-        if len(errors) == TAIL_WINDOW and errors[0] > room:
-            self.over -= 1  # it leaves the window
-        errors.append(error_s)
-        if error_s > room:
-            self.over += 1
+        window, high = self.gap_s, self.high
+        for g in gaps_s:
+            if len(window) == GAP_WINDOW and window[0] > high:
+                self.over -= 1  # it leaves the window
+            window.append(g)
+            if g > high:
+                self.over += 1
         self.returns += 1
-        if self.returns % TAIL_EVERY or (not self.over and self.margin == MARGIN):
-            return  # (none past the room 0.95 leaves: the margin stays; the simulator's case)
-        tail = sorted(errors)[int(0.99 * (len(errors) - 1))]
-        margin = max(MIN_MARGIN, min(MARGIN, 1 - tail / self.tbt_slo_s))
+        if self.returns % TAIL_EVERY or len(window) < GAP_MIN:
+            return
+        if not self.over and self.margin == MARGIN:
+            return  # (every gap within 0.95 S: the margin stays; the simulator's case)
+        p99 = sorted(window)[int(0.99 * (len(window) - 1))]
+        if high <= p99 <= self.tbt_slo_s:
+            return
+        step = min(STEP[1], max(STEP[0], high / p99))
+        margin = max(MIN_MARGIN, min(MARGIN, self.margin * step))
         if margin != self.margin:
             self.margin = margin
+            window.clear()
+            self.over = 0
             if self.target_s is None:  # target_ms sets T by hand: only the deadline moves
                 self.base_s = margin * self.tbt_slo_s / self.depth
 
@@ -207,7 +217,6 @@ class PipelineClock:
         self.send = getattr(cost, "send_time", None)
         self.free = [0.0] * pp  # when each stage ends its last micro-batch (predicted)
         self.done: dict[int, float] = {}  # mb_id in flight -> predicted completion
-        self.planned: dict[int, float] = {}  # mb_id in flight -> its completion when planned
         self.sends: dict[int, list[float]] = {}  # tokens -> each stage's send (0 for stage 0)
 
     def times(self, prefills: Sequence[tuple[int, int]], kv: Sequence[int],
@@ -295,7 +304,7 @@ class PipelineClock:
 
     def commit(self, mb_id: int, ends: list[float]) -> None:
         self.free = ends
-        self.done[mb_id] = self.planned[mb_id] = ends[-1]
+        self.done[mb_id] = ends[-1]
 
     def start_after(self, now: float, sources, hop_s: float) -> float:
         """The predicted return of the latest of micro-batches `sources` (None: none) plus
@@ -307,17 +316,13 @@ class PipelineClock:
                 start = t + hop_s
         return start
 
-    def returned(self, mb_id: int, now: float) -> float | None:
+    def returned(self, mb_id: int, now: float) -> None:
         """A micro-batch came back at `now`: the prediction of everything behind it shifts
-        by its error (the pipeline ran late or early by as much). Returns how late it came
-        back against its return when it was planned (the errors of the ones ahead of it
-        included: its deadline was set then), None for one the clock did not predict."""
+        by its error (the pipeline ran late or early by as much)."""
         predicted = self.done.pop(mb_id, None)
         if predicted is None:
-            return None
-        late = now - self.planned.pop(mb_id)
+            return
         shift = now - predicted
         self.free = [t if (t := f + shift) > now else now for f in self.free]  # max(now, f + shift)
         for k in self.done:
             self.done[k] += shift
-        return late

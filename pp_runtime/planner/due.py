@@ -38,16 +38,21 @@ class TokensDue:
             returning[rid] = mb_id
             carrying[mb_id] = carrying.get(mb_id, 0) + 1
 
-    def back(self, mb: MicroBatch, tokens, now: float) -> None:
-        """`mb` came back at `now` with a token for each request id in `tokens`."""
-        last, returning = self.last_s, self.returning
+    def back(self, mb: MicroBatch, tokens, now: float) -> list[float]:
+        """`mb` came back at `now` with a token for each request id in `tokens`. Returns
+        the time since each one's token before (a first token has none)."""
+        last, returning, gaps = self.last_s, self.returning, []
         for rid in tokens:
+            before = last.get(rid)
+            if before is not None:
+                gaps.append(now - before)
             last[rid] = now
         if self.carrying.pop(mb.mb_id, None) is not None:  # its tokens are back (or dropped);
             for s in mb.seqs:  # planned ahead, a request's next token may be on its way
                 rid = s.request_id  # in a later micro-batch already: that one stays
                 if s.sampling is not None and returning.get(rid) == mb.mb_id:
                     del returning[rid]
+        return gaps
 
     def finished(self, request_id: int) -> None:
         self.last_s.pop(request_id, None)

@@ -5,7 +5,7 @@ micro-batch, decodes included, past which more tokens stop lowering the time per
 and with a TBT target S (`planner.tbt_slo_ms`) the pipeline clock: a micro-batch may come
 back no later than margin x S after the last token of each decode it carries (its predicted
 return includes the wait behind every micro-batch in flight; the margin is 0.95, less where
-micro-batches come back later than planned: `TimeBudget.late`). With no target only K
+the p99 of the tokens' realized gaps passes S: `TimeBudget.gaps`). With no target only K
 bounds it, so an offline batch runs at the knee. Each micro-batch:
 
   1. decodes first, spread evenly: at most ceil(R / pp) of the R requests decoding, oldest
@@ -33,7 +33,7 @@ Rows are bounded by KV pages and by time, not by a hand count:
   - admission takes a request when its prompt's pages are free beyond a share (adaptive:
     `GrowthReserve`) of the growth running requests owe (expected: `max_tokens` x `out_share`);
   - with a TBT target, admission also stops at the rows the period holds: depth x the
-    decodes d that fit in 0.95 S / depth (late returns left out) beside the prompt tokens
+    decodes d that fit in 0.95 S / depth (the margin's cuts left out) beside the prompt tokens
     that keep pace (d x the requests' prompt tokens per output token), at the running
     requests' mean mid-life KV length; with a TTFT target `planner.ttft_slo_ms`, what the
     prompts need per micro-batch to reach their first tokens in time (admitted ones first,
@@ -296,11 +296,11 @@ class UniformPlanner(UniformAdmission, BasePlanner):
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
         predicted = self.predicted.pop(mb.mb_id, 0.0)
-        self.budget.late(self.clock.returned(mb.mb_id, now))
+        self.clock.returned(mb.mb_id, now)
         if out.timings:  # the stage that took longest (StageTiming.compute_s, written out)
             self.budget.observe(predicted, max([t.compute_end_s - t.compute_start_s
                                                 for t in out.timings]))
-        self.due.back(mb, out.tokens, now)
+        self.budget.gaps(self.due.back(mb, out.tokens, now))
         finished = super().on_result(mb, out, now)
         for r in finished:
             self.due.finished(r.request_id)
