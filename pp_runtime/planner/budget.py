@@ -5,16 +5,20 @@ time between its tokens is about depth x the period of a micro-batch. For a TBT 
 
     T = margin x S / depth                      (margin: room for the tail)
 
-The margin is 0.95, or what the pipeline's own token gaps call for: `gaps` keeps the
-time between consecutive tokens of every decode as the planner sees them come back, and
-every `TAIL_EVERY` returns, with at least `GAP_MIN` gaps since the margin last moved, reads
-their p99: above S, the margin falls by 0.95 S / p99 (at most `STEP[0]` a reading, never
-under `MIN_MARGIN`); under 0.95 S, it rises back by as much (at most `STEP[1]`, never past
-0.95); between, it holds. On the simulator the gaps stay within S (the margin stays 0.95);
-on this CPU's real PP = 2 pipeline (Ray calls, two processes on two cores) returns come
-back up to 66-83 ms late (p99) against 15 ms of room at a 300 ms target, but a late return
-delays the tokens before and after it alike: margins read from the lateness (1 - p99 late
-/ S, until 2026-11-28) sat at 0.63-0.88 while the p99 gap stayed 70 ms under S.
+The margin is 0.95, or less where the tokens' gaps come out longer than planned: when a
+micro-batch is planned, each token it will bring has a planned gap (its predicted return
+less the request's previous token, as then known: back, or predicted on its way); when it
+comes back, `unplanned` keeps how much longer each gap came out (the last `GAP_WINDOW`),
+and every `TAIL_EVERY` returns the margin becomes 1 - (their p99) / S where that is below
+0.95 (at least `MIN_MARGIN`). On the simulator the clock is exact to well under the 5 % of
+S that 0.95 leaves, so the margin stays 0.95 there; on this CPU's real PP = 2 pipeline
+(Ray calls, two processes on two cores) micro-batches come back up to 66-83 ms late (p99)
+against 15 ms of room at a 300 ms target, but a late return delays the tokens before and
+after it alike: a margin read from how late each return came (1 - p99 late / S, until
+2026-11-28) sat at 0.63-0.88 while the p99 time between tokens stayed 70 ms under S. The
+tokens' realized gaps alone do not tell jitter from a plan: a micro-batch the TTFT need
+takes past its round's deadline lengthens gaps on purpose, and a margin cut for those (as
+tried, the same day) took 4.6 % of a simulated GPT-3 cell's capacity.
 
 Beside T, every micro-batch has a token budget K, the throughput knee of the cost model:
 the smallest micro-batch (prefill tokens and decode rows, in whole tiles) whose time per
@@ -50,10 +54,9 @@ KNEE_SLACK = 0.05  # the knee: time per token within 5 % of the best
 KNEE_MAX_TOKENS = 16384  # largest micro-batch the knee search prices
 MARGIN = 0.95  # share of the TBT target a round is planned to: the p99's room
 MIN_MARGIN = 0.5  # the measured tail never takes more than half the target
-TAIL_EVERY = 32  # returns between two readings of the gaps' p99
-GAP_MIN = 256  # gaps a reading needs since the margin last moved (its p99: the 3rd largest)
-GAP_WINDOW = 2048  # the most gaps kept (the last ones)
-STEP = (0.8, 1.05)  # the most one reading moves the margin: down, up
+TAIL_EVERY = 32  # returns between two readings of the p99 (none under GAP_MIN gaps)
+GAP_MIN = 256  # gaps a reading needs (their p99: the 3rd largest of 256)
+GAP_WINDOW = 2048  # gaps whose unplanned excess sets the margin (the last ones)
 RESIDUAL_WEIGHT = 0.05  # moving-average weight of one measured micro-batch
 RESIDUAL_RANGE = (1e-3, 1e3)  # a ratio outside is a measurement gone wrong: clamped (a CPU
 #                              priced on the shipped A100 tables is ~10^2 slower: kept)
@@ -98,11 +101,11 @@ class TimeBudget:
                  ttft_slo_s: float | None = None, target_s: float | None = None):
         self.cost, self.depth = cost, depth
         self.tbt_slo_s, self.ttft_slo_s = tbt_slo_s, ttft_slo_s
-        self.margin = MARGIN  # share of S a round is planned to (`gaps`)
-        self.gap_s: deque[float] = deque(maxlen=GAP_WINDOW)  # token gaps since it last moved
-        self.returns = 0  # micro-batches folded in by `gaps`
-        self.high = MARGIN * tbt_slo_s if tbt_slo_s is not None else float("inf")  # the margin's aim
-        self.over = 0  # gaps in the window above `high`
+        self.margin = MARGIN  # share of S a round is planned to (`unplanned`)
+        self.excess: deque[float] = deque(maxlen=GAP_WINDOW)  # gaps less their plan, last ones
+        self.returns = 0  # micro-batches folded in by `unplanned`
+        self.room = (1 - MARGIN) * tbt_slo_s if tbt_slo_s is not None else 0.0
+        self.over = 0  # excesses in the window above `room`
         self.target_s = target_s
         self.knee_tokens, self.knee_s = knee(cost, tile)
         if tbt_slo_s is not None:
@@ -129,7 +132,7 @@ class TimeBudget:
 
     @property
     def pace_s(self) -> float:
-        """T at the 0.95 margin, whatever `gaps` made it: what a micro-batch may carry at
+        """T at the 0.95 margin, whatever `unplanned` made it: what a micro-batch may carry at
         the target's pace. A host's jitter is noise added to a round, not a cost of each row,
         so admission's row count is priced on this (rounds are still planned to T)."""
         if self.target_s is not None or self.tbt_slo_s is None:
@@ -150,33 +153,29 @@ class TimeBudget:
         self.residual += weight * (ratio - self.residual)
         self.observed += 1
 
-    def gaps(self, gaps_s: Sequence[float]) -> None:
-        """A micro-batch came back bringing tokens `gaps_s` after each one's token before.
-        Every TAIL_EVERY returns, with GAP_MIN gaps since the margin last moved, their p99
-        p moves it: by 0.95 S / p where p > S or p < 0.95 S (within STEP), and T with it."""
+    def unplanned(self, excess_s: Sequence[float]) -> None:
+        """A micro-batch came back bringing tokens whose gaps to the token before came out
+        `excess_s` longer than planned (negative: shorter). Every TAIL_EVERY returns, with
+        GAP_MIN of them kept, the margin becomes min(0.95, 1 - p99 / S) of the last
+        GAP_WINDOW (at least MIN_MARGIN), and T follows it."""
         if self.tbt_slo_s is None:
             return
-        window, high = self.gap_s, self.high
-        for g in gaps_s:
-            if len(window) == GAP_WINDOW and window[0] > high:
+        window, room = self.excess, self.room
+        for e in excess_s:
+            if len(window) == GAP_WINDOW and window[0] > room:
                 self.over -= 1  # it leaves the window
-            window.append(g)
-            if g > high:
+            window.append(e)
+            if e > room:
                 self.over += 1
         self.returns += 1
         if self.returns % TAIL_EVERY or len(window) < GAP_MIN:
             return
         if not self.over and self.margin == MARGIN:
-            return  # (every gap within 0.95 S: the margin stays; the simulator's case)
-        p99 = sorted(window)[int(0.99 * (len(window) - 1))]
-        if high <= p99 <= self.tbt_slo_s:
-            return
-        step = min(STEP[1], max(STEP[0], high / p99))
-        margin = max(MIN_MARGIN, min(MARGIN, self.margin * step))
+            return  # (none past the room 0.95 leaves: the margin stays; the simulator's case)
+        tail = sorted(window)[int(0.99 * (len(window) - 1))]
+        margin = max(MIN_MARGIN, min(MARGIN, 1 - tail / self.tbt_slo_s))
         if margin != self.margin:
             self.margin = margin
-            window.clear()
-            self.over = 0
             if self.target_s is None:  # target_ms sets T by hand: only the deadline moves
                 self.base_s = margin * self.tbt_slo_s / self.depth
 

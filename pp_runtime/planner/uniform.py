@@ -5,7 +5,7 @@ micro-batch, decodes included, past which more tokens stop lowering the time per
 and with a TBT target S (`planner.tbt_slo_ms`) the pipeline clock: a micro-batch may come
 back no later than margin x S after the last token of each decode it carries (its predicted
 return includes the wait behind every micro-batch in flight; the margin is 0.95, less where
-the p99 of the tokens' realized gaps passes S: `TimeBudget.gaps`). With no target only K
+the tokens' gaps come out longer than planned: `TimeBudget.unplanned`). With no target only K
 bounds it, so an offline batch runs at the knee. Each micro-batch:
 
   1. decodes first, spread evenly: at most ceil(R / pp) of the R requests decoding, oldest
@@ -291,7 +291,7 @@ class UniformPlanner(UniformAdmission, BasePlanner):
             start = self.tokens_back(now, [src for _, src in mb.placeholders])
             self.clock.commit(mb.mb_id, self.clock.completion(start, scaled, tokens))
             if self.budget.tbt_slo_s is not None:
-                self.due.bring(mb)
+                self.due.bring(mb, self.clock.done)
         return mb
 
     def on_result(self, mb: MicroBatch, out: SampledTokens, now: float) -> list[Request]:
@@ -300,7 +300,7 @@ class UniformPlanner(UniformAdmission, BasePlanner):
         if out.timings:  # the stage that took longest (StageTiming.compute_s, written out)
             self.budget.observe(predicted, max([t.compute_end_s - t.compute_start_s
                                                 for t in out.timings]))
-        self.budget.gaps(self.due.back(mb, out.tokens, now))
+        self.budget.unplanned(self.due.back(mb, out.tokens, now))
         finished = super().on_result(mb, out, now)
         for r in finished:
             self.due.finished(r.request_id)
