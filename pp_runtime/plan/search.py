@@ -2,8 +2,9 @@
 
 Capacity is a grid point (`probe.rate(k)`, req/s per GPU, 5 % apart): the highest rate
 whose probe meets both p99 SLOs, found by bracketing from START x the candidate's bound
-in growing steps, then bisecting to one grid step (`grid_capacity`; it assumes, as every
-capacity search does, that a rate that misses is missed at every higher one).
+in growing steps, then cutting the bracket above its middle (`UPPER`: a miss is cheaper than
+a pass) down to one grid step (`grid_capacity`; it assumes, as every capacity search does,
+that a rate that misses is missed at every higher one).
 
 Every candidate has an upper bound on its capacity from the cost model alone
 (`upper_bound`). A layout's candidates are put in one order (`ordered`: the SLO-driven
@@ -46,6 +47,9 @@ NARROW = 3  # a bracket this narrow is searched from its top down: a miss just a
 FLOOR = 1e-4  # no capacity searched below this share of the bound
 NEAR = 0.85  # a miss certain only after this share of its arrivals' time hints one point lower
 NEAR_STEPS = 3  # such hints followed one point at a time, at most this many in a row
+#                (they do not grow the bracketing jump: a run of them sits at the capacity)
+UPPER = 0.7  # a wide bracket is cut this far up: a pass runs its whole arrivals, a miss stops
+#              once certain, so probing above the middle spends fewer passes
 LOST = "lost at the layout's best"
 PASSED = "passed the layout's best"  # fast path, between its phases
 __all__ = ["Slo", "Result", "upper_bound", "LOST", "REL_TOL"]  # search(): plan/runner.py
@@ -123,8 +127,8 @@ def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
     probe is then the higher of start and known_ok + 1: a miss up there is cheap, it stops
     early). hint(k), after k missed: a grid point it suggests (`miss_hint`): the next probe
     goes no higher, and from one that passes there the search climbs in small steps; a
-    bracket of NARROW points or fewer is searched from its top down. Which points are
-    probed changes, not the answer."""
+    bracket of NARROW points or fewer is searched from its top down, a wider one cut at UPPER
+    of its width. Which points are probed changes, not the answer."""
     lo, hi, jump, step = known_ok, None, FIRST_JUMP, 0  # step: climbing from a hinted pass
     near = 0  # misses in a row that hinted the point just below (`_down`)
     if lo is not None and lo >= top:
@@ -157,18 +161,19 @@ def grid_capacity(ok: Callable[[int], bool], start: int, top: int, floor: int,
         if hi - lo <= NARROW:  # narrow: the point under the miss
             k = hi - 1
         else:
-            k = min(lo + climb, (lo + hi) // 2) if climb else (lo + hi) // 2
+            cut = lo + min(hi - lo - 1, max(1, round(UPPER * (hi - lo))))
+            k = min(lo + climb, cut) if climb else cut
 
 
 def _down(k: int, guess: int | None, jump: int, floor: int,
           one: bool = False) -> tuple[int, int, int]:
     """After a miss at k with nothing known to pass: the next probe (the hint's point, but
     at least jump / 2 lower: hints that creep down speed up; one: a hint of the point just
-    below, a miss that was only just one, taken as it is), the climbing step (1: the hint
-    chose it), the next jump."""
+    below, a miss that was only just one, taken as it is and the jump kept), the climbing
+    step (1: the hint chose it), the next jump."""
     if one and guess == k - 1:
-        nxt, step = guess, 1
-    elif guess is not None and guess < k:
+        return max(floor, guess), 1, jump
+    if guess is not None and guess < k:
         nxt, step = min(guess, k - jump // 2), int(guess <= k - jump // 2)
     else:
         nxt, step = k - jump, 0

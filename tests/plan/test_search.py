@@ -395,3 +395,36 @@ def test_the_rest_are_probed_above_the_best_the_slo_driven_ones_found(monkeypatc
     best = max(results, key=lambda r: (r.k if r.k is not None else -999, -r.order))
     assert best.candidate == max(exhaustive, key=lambda r: (r.k if r.k is not None else -999,
                                                              -r.order)).candidate == wins
+
+
+def test_a_run_of_near_misses_does_not_grow_the_jump():
+    """Misses certain only near their end, each hinting the point below, sit at the
+    capacity: the first NEAR_STEPS are followed one point at a time and do not grow the
+    bracketing jump, so the next move down is FIRST_JUMP / 2 points, not a leap far under
+    the capacity that passes there and climbs back one pass at a time (GPT-3 tp2 x pp24:
+    10 probes, 5 of them passes, became 7)."""
+    asked = []
+
+    def ok(k):
+        asked.append(k)
+        return k <= -6
+
+    assert grid_capacity(ok, 0, top=6, floor=-60, hint=lambda k: k - 1) == -6
+    # 0 .. -3: start and three near steps; -4: the hint, FIRST_JUMP / 2 = 1 below; then -6
+    # (the hint -5 against jump 4 / 2 below -4) passes, and -5 between them missed already
+    assert asked == [0, -1, -2, -3, -4, -6, -5], asked
+
+
+def test_a_wide_bracket_is_cut_above_its_middle():
+    """A pass runs its whole arrivals, a miss stops once certain: a bracket wider than
+    NARROW is cut at UPPER of its width. Bracketing from 0 passes 0, 2, 6 and misses 14;
+    [6, 14] is cut at 12 (bisection: at 10, then 12), which passes, and 13 misses: four
+    passes where bisection spends five."""
+    asked = []
+
+    def ok(k):
+        asked.append(k)
+        return k <= 12
+
+    assert grid_capacity(ok, 0, top=40, floor=-60) == 12
+    assert asked == [0, 2, 6, 14, 12, 13], asked
