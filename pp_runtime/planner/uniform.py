@@ -33,9 +33,9 @@ Rows are bounded by KV pages and by time, not by a hand count:
   - admission takes a request when its prompt's pages are free beyond a share (adaptive:
     `GrowthReserve`) of the growth running requests owe (expected: `max_tokens` x `out_share`);
   - with a TBT target, admission also stops at the rows the period holds: depth x the
-    decodes d that fit in 0.95 S / depth (the margin's cuts left out) beside the prompt tokens
-    that keep pace (d x the requests' prompt tokens per output token), at the running
-    requests' mean mid-life KV length; with a TTFT target `planner.ttft_slo_ms`, what the
+    decodes d that fit in 0.95 S / depth alone (the margin's cuts left out), at the running
+    requests' mean mid-life KV length (more would break the target with no prompt token
+    aboard; a burst of arrivals is admitted, not queued); with a TTFT target `planner.ttft_slo_ms`, what the
     prompts need per micro-batch to reach their first tokens in time (admitted ones first,
     then the queue) may take the micro-batch up to T, past the round's deadline: a first
     token at risk outranks one time between tokens, and T bounds how far it stretches.
@@ -93,8 +93,8 @@ class UniformPlanner(UniformAdmission, BasePlanner):
         self.hop_s = send(1, 1) if send is not None and self.pp > 1 else 0.0
         self.due = TokensDue()  # when each request's next token is due (planner/due.py)
         self.urgent = 0  # prompt tokens this micro-batch needs for the queue's TTFT target
-        self.row_s: dict[tuple[int, int, int], float] = {}  # `row_cap`'s (decodes, KV
-        #                   length, prompt tokens) -> the cost model's seconds, priced once
+        self.row_s: dict[tuple[int, int], float] = {}  # `row_cap`'s (decodes, KV length)
+        #                   -> the cost model's seconds, priced once
         batch = not self.bounded and pl.ttft_slo_ms is None  # no target: for the makespan
         self.order = (SlackOrder(self.waiting, self.rounds, self.depth * self.budget.knee_s)
                       if batch else None)  # arrived requests longest first (planner/order.py)

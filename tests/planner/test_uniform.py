@@ -201,13 +201,14 @@ def test_alone_a_chunk_under_k_over_8_waits_unless_a_first_token_needs_it(ttft_m
             ) == (None if chunk is None else [(1, chunk)])
 
 
-@pytest.mark.parametrize("prompt,rows", [(100, 218), (900, 26)])
-def test_rows_under_a_target_keep_pace_with_the_prompts_they_bring(prompt, rows):
-    """S = 30 ms, 2 in flight: T = 0.95 x 30 / 2 = 14.25 ms. Requests of 100 output tokens
-    bring prompt / 100 prompt tokens per output token (mix); d decodes at KV prompt + 1 fit
-    beside d x mix prompt tokens when 1 + 0.01 (d + d x mix) + 0.001 (prompt + 1) d <= 14.25:
-    mix 1 -> 0.121 d <= 13.25, d = 109, 2 x 109 = 218 rows; mix 9 -> 1.001 d <= 13.25,
-    d = 13, 26 rows. Pages hold far more."""
+@pytest.mark.parametrize("prompt,rows", [(100, 238), (900, 28)])
+def test_rows_under_a_target_are_the_decodes_the_period_holds(prompt, rows):
+    """S = 30 ms, 2 in flight: T = 0.95 x 30 / 2 = 14.25 ms. d decodes at KV prompt + 1
+    fit in T alone when 1 + 0.01 d + 0.001 (prompt + 1) d <= 14.25: prompt 100 -> 0.111 d
+    <= 13.25, d = 119, 2 x 119 = 238 rows; prompt 900 -> 0.911 d <= 13.25, d = 14, 28
+    rows. The prompts they bring do not lower it (at 100 output tokens each, d x 9 prompt
+    tokens beside d decodes would give 26 at prompt 900): a burst is admitted, not queued.
+    Pages hold far more."""
     p = toy(in_flight=2, tbt_slo_ms=30.0, kv_slots=400, watermark=0.0)
     for rid in range(300):
         add(p, rid, prompt, 100)

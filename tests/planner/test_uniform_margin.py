@@ -112,8 +112,9 @@ def test_a_late_pipeline_plans_its_rounds_to_a_smaller_margin():
 
 
 def test_a_smaller_margin_leaves_the_rows_at_the_targets_pace():
-    """As above at mix 1, after gaps 6 ms longer than planned took the margin to 0.8: rounds are planned to 0.8 x 30 = 24 ms, but the rows stay priced at 0.95: 218
-    (at T = 12 ms: 0.121 d <= 11, d = 90, 180 rows). Late returns are noise added to each
+    """As above at prompt 100, after gaps 6 ms longer than planned took the margin to 0.8:
+    rounds are planned to 0.8 x 30 = 24 ms, but the rows stay priced at 0.95: 238 (at
+    T = 12 ms: 0.111 d <= 11, d = 99, 198 rows). Late returns are noise added to each
     round, not a cost of each row: on the real CPU pipeline a row count priced at the
     margin's floor admitted 3-6 requests and arrivals queued for admission."""
     p = toy(in_flight=2, tbt_slo_ms=30.0, kv_slots=400, watermark=0.0)
@@ -121,4 +122,4 @@ def test_a_smaller_margin_leaves_the_rows_at_the_targets_pace():
     for rid in range(300):
         add(p, rid, 100, 100)
     p.admit(0.0)
-    assert len(p.running) == 218
+    assert len(p.running) == 238
