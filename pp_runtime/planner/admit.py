@@ -3,11 +3,11 @@
 Rows are bounded by KV pages and by time, not by a hand count: arrived requests are
 admitted first come first served (least slack first with no target: `order.py`) while the
 prompt's pages are free beyond a share (`GrowthReserve`) of the growth the running requests
-owe, and with a TBT target while their decodes alone fit the period (`row_cap`). `prefill_need` is what
-the prompts need per micro-batch to reach their first tokens within the TTFT target.
+owe, and with a TBT target while their decodes alone fit the period (`row_cap`).
+`prefill_need` is what the prompts need per micro-batch to reach their first tokens within
+the TTFT target.
 """
 from __future__ import annotations
-
 
 from pp_runtime.core.request import Request
 from pp_runtime.planner.budget import MARGIN

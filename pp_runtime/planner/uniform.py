@@ -35,10 +35,11 @@ Rows are bounded by KV pages and by time, not by a hand count:
   - with a TBT target, admission also stops at the rows the period holds: depth x the
     decodes d that fit in 0.95 S / depth alone (the margin's cuts left out), at the running
     requests' mean mid-life KV length (more would break the target with no prompt token
-    aboard; a burst of arrivals is admitted, not queued); with a TTFT target `planner.ttft_slo_ms`, what the
-    prompts need per micro-batch to reach their first tokens in time (admitted ones first,
-    then the queue) may take the micro-batch up to T, past the round's deadline: a first
-    token at risk outranks one time between tokens, and T bounds how far it stretches.
+    aboard; a burst of arrivals is admitted, not queued); with a TTFT target
+    `planner.ttft_slo_ms`, what the prompts need per micro-batch to reach their first
+    tokens in time (admitted ones first, then the queue) may take the micro-batch up to T,
+    past the round's deadline: a first token at risk outranks one time between tokens, and
+    T bounds how far it stretches.
 `chunk_size` and `max_batch_size` are optional caps (tokens and rows per micro-batch);
 `target_ms` sets T by hand. Predictions are corrected by what comes back: the pipeline
 clock shifts by each returned micro-batch's error, and `TimeBudget.observe` scales stage
