@@ -267,9 +267,16 @@ class UniformPlanner(UniformAdmission, BasePlanner):
         fits = lambda share: largest_at_most(  # noqa: E731  (b.largest, without a lambda)
             ends, base + max(0.0, bound - base) * share, hi)
         n, need = fits(SLACK_SHARE), self.urgent - sum(c for _, c in chunks)
-        if n < min(hi, need):  # a share of the round's slack; the prompts' TTFT needs more:
-            time = self.time_with(chunks, kv)  # up to T, past the round's deadline (module doc)
+        if n >= hi:
+            return n
+        time = self.time_with(chunks, kv)
+        if n < need:  # a share of the round's slack; the prompts' TTFT needs more:
             n = max(n, min(largest_at_most(lambda m: time(start, m), b.period_s, hi), need))
+        if n < hi and self.predicted:  # up to T, past the round's deadline (module doc);
+            level = max(self.predicted.values())  # and prompts waiting fill it to the level
+            if level > b.period_s:  # of the micro-batches in flight, within T (`LEVEL`)
+                level = b.period_s
+            n = max(n, largest_at_most(lambda m: time(start, m), level, hi))
         return n
 
     # ---- feedback ----------------------------------------------------------------------
