@@ -13,7 +13,12 @@ bounds it, so an offline batch runs at the knee. Each micro-batch:
      share instead of the ones the tokens came back in;
   2. then prefill chunks, oldest prompt first, up to K tokens in all and half of the
      slack before the round's deadline (binary search on the cost model; the rest is left
-     to the micro-batches behind it); when the admitted prompts hold fewer
+     to the micro-batches behind it), and while prompt tokens wait, up to the level of
+     the micro-batches in flight (the largest of their predicted times) where all of the
+     slack allows it: a micro-batch that half the slack leaves short would run lighter
+     than the ones ahead of it while prompts wait (the pipeline stays level); past the
+     deadline (to the level, or to T) it broke GPT-3's 2x TBT target (docs/planner.md,
+     "The round"); when the admitted prompts hold fewer
      tokens than the round can take, an even share of them per micro-batch (left / depth,
      held for the round), so prompt work spreads over the round instead of making a few
      micro-batches heavy.
@@ -273,10 +278,10 @@ class UniformPlanner(UniformAdmission, BasePlanner):
         if n < need:  # a share of the round's slack; the prompts' TTFT needs more:
             n = max(n, min(largest_at_most(lambda m: time(start, m), b.period_s, hi), need))
         if n < hi and self.predicted:  # up to T, past the round's deadline (module doc);
-            level = max(self.predicted.values())  # and prompts waiting fill it to the level
-            if level > b.period_s:  # of the micro-batches in flight, within T (`LEVEL`)
-                level = b.period_s
-            n = max(n, largest_at_most(lambda m: time(start, m), level, hi))
+            level = max(self.predicted.values())  # prompt tokens wait: up to the level of
+            if level > b.period_s:  # the micro-batches in flight, within T and within the
+                level = b.period_s  # round's deadline (module doc, 2.)
+            n = max(n, min(largest_at_most(lambda m: time(start, m), level, hi), fits(1.0)))
         return n
 
     # ---- feedback ----------------------------------------------------------------------

@@ -146,6 +146,27 @@ def test_the_tbt_target_cuts_the_chunk_by_the_round():
     assert beside_a_decode(p) == [(0, 1, True), (1, 656, False)]
 
 
+def test_prompts_waiting_fill_a_microbatch_to_the_level_of_those_in_flight():
+    """S = 30 ms, pp 2, 2 in flight; requests 0 and 2 decode (their first tokens back at 0),
+    request 1's 5000-token prompt waits. Micro-batch B carries request 0's decode and 656
+    tokens (half of the slack, as above): 1 + 0.01 x 657 + 0.101 = 7.671 ms a stage. C, composed
+    at 0 behind it, carries request 2's decode: it starts on stage 1 when B leaves it (15.342
+    ms) and the decode alone ends at 16.453 ms; half of the slack before 28.5 ms would take
+    15.342 + 1.111 + 0.01 n <= 22.4765 -> n = 602. The prompt waits, so C fills to B's level
+    (within T = 14.25 ms and within all of the slack, n <= 1204): 1.111 + 0.01 n <= 7.671
+    -> n = 656, and the round's two micro-batches cost the same."""
+    p = toy(in_flight=2, tbt_slo_ms=30.0)
+    add(p, 0, 100, 50)
+    add(p, 2, 100, 50)
+    first = p.schedule(0.0)  # both prompts, packed
+    p.on_result(first, SampledTokens(first.mb_id, {0: 7, 2: 7}), 0.0)
+    add(p, 1, 5000, 4)
+    b, c = p.schedule(0.0), p.schedule(0.0)
+    assert [(s.request_id, s.num_tokens) for s in b.seqs] == [(0, 1), (1, 656)]
+    assert [(s.request_id, s.num_tokens) for s in c.seqs] == [(2, 1), (1, 656)]
+    assert p.predicted[c.mb_id] == p.predicted[b.mb_id]
+
+
 @pytest.mark.parametrize("ttft_ms,chunk", [(None, 406), (110.0, 1079)])
 def test_an_admitted_prompt_near_its_ttft_target_takes_up_to_t(ttft_ms, chunk):
     """S = 30 ms, pp 2, 2 in flight; request 0 decodes (its last token at 0), request 1's
