@@ -281,7 +281,9 @@ class UniformPlanner(UniformAdmission, BasePlanner):
             level = max(self.predicted.values())  # prompt tokens wait: up to the level of
             if level > b.period_s:  # the micro-batches in flight, within T and within the
                 level = b.period_s  # round's deadline (module doc, 2.)
-            n = max(n, min(largest_at_most(lambda m: time(start, m), level, hi), fits(1.0)))
+            if time(start, n + 1) <= level:  # (one price where it is at the level already)
+                m = largest_at_most(lambda m: time(start, m), level, hi)
+                n = max(n, largest_at_most(ends, base + max(0.0, bound - base), m))
         return n
 
     # ---- feedback ----------------------------------------------------------------------
