@@ -272,9 +272,9 @@ class UniformPlanner(UniformAdmission, BasePlanner):
         fits = lambda share: largest_at_most(  # noqa: E731  (b.largest, without a lambda)
             ends, base + max(0.0, bound - base) * share, hi)
         n, need = fits(SLACK_SHARE), self.urgent - sum(c for _, c in chunks)
-        if n >= hi:
+        if n >= hi or (n >= need and not self.predicted):
             return n
-        time = self.time_with(chunks, kv)
+        time = self.time_with(chunks, kv)  # (priced only where a rule below may use it)
         if n < need:  # a share of the round's slack; the prompts' TTFT needs more:
             n = max(n, min(largest_at_most(lambda m: time(start, m), b.period_s, hi), need))
         if n < hi and self.predicted:  # up to T, past the round's deadline (module doc);
