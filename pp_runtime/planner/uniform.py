@@ -22,8 +22,9 @@ bounds it, so an offline batch runs at the knee. Each micro-batch:
      tokens than the round can take, an even share of them per micro-batch (left / depth,
      held for the round), so prompt work spreads over the round instead of making a few
      micro-batches heavy.
-     A prompt's last chunk leaves room to the next prompts (packing); its next chunk may
-     follow the previous ones in flight (chunk pipelining). Alone (no decode aboard) at
+     A prompt's last chunk leaves room to the next prompts (packing: whatever the room
+     holds, however small, as beside decodes); its next chunk may follow the previous
+     ones in flight (chunk pipelining). Alone (no decode aboard) at
      least K / 8 tokens go (with a target, at most what fits in T), or with a token due
      none unless the TTFT target needs them: a few tokens would hold one of the
      pipeline's slots, and the decode that comes back next would wait for it. Beside
@@ -199,16 +200,16 @@ class UniformPlanner(UniformAdmission, BasePlanner):
              bound: float, even: int) -> list[SeqChunk]:
         """Prefill chunks beside decodes of these KV lengths, up to K tokens in all and, with
         a TBT target, while the micro-batch comes back by `bound`: the first prompt's next
-        chunk, then (packing) the next prompts'. With no token due anywhere at least
-        `alone_chunk()` tokens, so prompts always move; else only what fits, and alone
-        (no decode aboard) K / 8 or what the TTFT target needs, or nothing."""
+        chunk, then (packing) the next prompts', each whatever fits. With no token due
+        anywhere at least `alone_chunk()` tokens, so prompts always move; else only what
+        fits, and alone (no decode aboard) K / 8 or what the TTFT target needs, or nothing."""
         chunks: list[tuple[int, int]] = []
         room = min(self.top - len(kv), even)
         picks, tokens = [], len(kv)
         for req in prefilling[:MAX_PACKED]:
             start, left = req.num_scheduled, req.prefill_len - req.num_scheduled
             n = self.largest_chunk(now, chunks, kv, start, min(left, room), bound, tokens)
-            if n < min(left, self.min_chunk):  # too little room for a useful chunk
+            if n < min(left, 1 if chunks else self.min_chunk):  # packed: whatever fits
                 if chunks or (n <= 0 and (kv or bound < INF)):
                     break
                 if not kv and bound < INF and n > self.urgent:  # alone, not for a first

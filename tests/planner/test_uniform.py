@@ -108,9 +108,23 @@ def test_scarce_prefill_is_shared_evenly_over_the_round():
     r = toy()
     add(r, 0, 900, 4)
     assert r.schedule(0.0).seqs[0].num_tokens == 300
-    add(r, 1, 1500, 4)  # 600 + 1500 left: ceil(2100 / 3) = 700 > 300; the 100 beside the
-    sizes = [[s.num_tokens for s in r.schedule(0.0).seqs] for _ in range(4)]  # 600 are < K/8
-    assert sizes == [[600], [700], [700], [100]]
+    add(r, 1, 1500, 4)  # 600 + 1500 left: ceil(2100 / 3) = 700 > 300: request 0's last 600
+    sizes = [[s.num_tokens for s in r.schedule(0.0).seqs] for _ in range(3)]  # and 100 of 1's
+    assert sizes == [[600, 100], [700], [700]]
+    assert r.schedule(0.0) is None  # all scheduled in the round
+
+
+def test_a_packed_chunk_is_whatever_the_room_holds_even_below_k_over_8():
+    """A prompt's chunk beside another prompt's last one is not held to K / 8 = 224: the
+    micro-batch is already large, so its size is what counts (as a chunk beside decodes,
+    below). No target, 3 in flight: a micro-batch takes up to K = 1792 tokens (the even
+    share, ceil(6600 / 3) = 2200, does not bind): request 0's 1600-token prompt whole,
+    then the 192 tokens of request 1's that are left (before 2026-11-28 they waited for
+    the next micro-batch: 1600, then 1792)."""
+    p = toy()
+    add(p, 0, 1600, 4)
+    add(p, 1, 5000, 4)
+    assert [(s.request_id, s.num_tokens) for s in p.schedule(0.0).seqs] == [(0, 1600), (1, 192)]
 
 
 class TileToy:
