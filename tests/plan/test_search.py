@@ -106,6 +106,20 @@ def test_pareto_keeps_the_points_no_other_beats_on_every_axis():
     assert pareto([c, d, b, a]) == [a, b, d]
 
 
+def test_at_the_same_rate_per_gpu_the_winner_is_the_one_that_uses_more_of_the_gpus():
+    """GPT-3 on 64 A100 (2026-11-28): tp4 pp8 x2 and tp4 pp12 x1 met the same grid rate per
+    GPU; the 64-GPU one carries 10.0 req/s, the 48-GPU one 7.5. A p99 TBT 0.06 ms lower
+    must not hand the win to the one that leaves 16 GPUs idle; latency breaks the tie
+    between layouts of as many GPUs."""
+    from pp_runtime.plan.report import ranked
+    both = _point(4, 8, 2, 40, 0.19005, 3.30)
+    fewer = _point(4, 12, 1, 40, 0.18999, 4.26)
+    same = _point(8, 4, 2, 40, 0.18000, 3.40)  # 64 GPUs too, the lower TBT: first
+    assert ranked([fewer, both]) == [both, fewer]
+    assert ranked([fewer, both, same]) == [same, both, fewer]
+    assert pareto([fewer, both, same])[0] is same
+
+
 def test_memory_split_gives_the_end_stages_fewer_layers_where_that_frees_kv():
     from pp_runtime.config import Config, load_model_config
     from pp_runtime.costmodel import memory
