@@ -17,11 +17,14 @@ bounds it, so an offline batch runs at the knee. Each micro-batch:
      the micro-batches in flight (the largest of their predicted times) where all of the
      slack allows it: a micro-batch that half the slack leaves short would run lighter
      than the ones ahead of it while prompts wait (the pipeline stays level); past the
-     deadline (to the level, or to T) it broke GPT-3's 2x TBT target (docs/planner.md,
-     "The round"); when the admitted prompts hold fewer
-     tokens than the round can take, an even share of them per micro-batch (left / depth,
-     held for the round), so prompt work spreads over the round instead of making a few
-     micro-batches heavy.
+     deadline (to the level, or to T) it broke GPT-3's 2x TBT target at low load
+     (docs/planner.md, "The round"), so only a round already late (its decodes alone
+     past the deadline) with a round of knee-sized micro-batches of prompt tokens
+     waiting fills to the level regardless: under load a lighter micro-batch would not
+     bring those decodes back in time, it would leave the prompts waiting; when the
+     admitted prompts hold fewer tokens than the round can take, an even share of them
+     per micro-batch (left / depth, held for the round), so prompt work spreads over the
+     round instead of making a few micro-batches heavy.
      A prompt's last chunk leaves room to the next prompts (packing: whatever the room
      holds, however small, as beside decodes); its next chunk may follow the previous
      ones in flight (chunk pipelining). Alone (no decode aboard) at
@@ -95,6 +98,7 @@ class UniformPlanner(UniformAdmission, BasePlanner):
         self.reserve = GrowthReserve()  # share of the owed growth admission keeps free
         self.predicted: dict[int, float] = {}  # mb_id -> predicted seconds
         self.quota, self.quota_mbs = 0, 0  # even share of prompt tokens, micro-batches left
+        self.backlog = 0  # admitted prompt tokens not yet planned, as `compose` counted them
         self.clock = PipelineClock(cost_model, self.pp)
         send = getattr(cost_model, "send_time", None)  # a sampled token's hop to stage 0
         self.hop_s = send(1, 1) if send is not None and self.pp > 1 else 0.0
@@ -153,6 +157,7 @@ class UniformPlanner(UniformAdmission, BasePlanner):
         seqs = [self.decode(r) for r in ready[:limit]]
         kv = [s.start + 1 for s in seqs]  # a decode's kv_len
         bound = self.round_bound(now, [r.request_id for r in ready])
+        self.backlog = left
         if prefilling:  # scarce prompt tokens: an even share over the round, not a few full ones
             even = max(self.min_chunk, self.even_share(left))
             self.urgent = self.prefill_need(now, left, prefilling)  # compose's pass counted them
@@ -284,7 +289,10 @@ class UniformPlanner(UniformAdmission, BasePlanner):
                 level = b.period_s  # round's deadline (module doc, 2.)
             if time(start, n + 1) <= level:  # (one price where it is at the level already)
                 m = largest_at_most(lambda m: time(start, m), level, hi)
-                n = max(n, largest_at_most(ends, base + max(0.0, bound - base), m))
+                if base >= bound and self.backlog >= self.depth * self.top:  # (module doc, 2.)
+                    n = max(n, m)  # a late round under load: its decodes are late already
+                else:
+                    n = max(n, largest_at_most(ends, base + max(0.0, bound - base), m))
         return n
 
     # ---- feedback ----------------------------------------------------------------------

@@ -371,3 +371,23 @@ def test_with_a_latency_target_the_queue_stays_first_come_first_served(target):
         add(p, rid, 40, max_tokens)
     p.admit(0.0)
     assert [r.request_id for r in p.running] == [0, 1, 2, 3]
+
+
+def test_a_late_round_with_a_backlog_still_fills_to_the_level_of_those_in_flight():
+    """As the level test above, but C is composed at 27 ms: request 2's decode alone would
+    end at 27 + 2 x 1.111 = 29.2 ms, past its round's deadline (28.5 ms), so no slack is
+    left, and before it C carried the decode alone. With a round's worth of prompt tokens
+    waiting (4344 >= depth x K = 3584) the round is late under load, not a quiet pipeline:
+    C fills to B's level, 656 tokens (1.111 + 0.01 n <= 7.671 ms). With the prompt short
+    (3000 tokens: 2344 left < 3584) it stays a decode alone."""
+    for prompt, expect in ((5000, [(2, 1), (1, 656)]), (3000, [(2, 1)])):
+        p = toy(in_flight=2, tbt_slo_ms=30.0)
+        add(p, 0, 100, 50)
+        add(p, 2, 100, 50)
+        first = p.schedule(0.0)
+        p.on_result(first, SampledTokens(first.mb_id, {0: 7, 2: 7}), 0.0)
+        add(p, 1, prompt, 4)
+        b = p.schedule(0.0)
+        assert [(s.request_id, s.num_tokens) for s in b.seqs] == [(0, 1), (1, 656)]
+        c = p.schedule(0.027)
+        assert [(s.request_id, s.num_tokens) for s in c.seqs] == expect
