@@ -30,13 +30,20 @@ For each setting:
 Every planner gets the same KV bytes (the config's kv_slots contexts, as 16-token pages).
 
     python benchmarks/goodput.py [--requests 1000] [--pd 1,3,10] [--models gpt3,llama]
-                                 [--out runs/goodput] [--jobs N]
+                                 [--out runs/goodput] [--jobs N] [--anchors-from FILE]
 
-Settings run side by side, one process each (`--jobs`, default the cores).
+Settings run side by side, one process each (`--jobs`, default the cores). goodput.json
+keeps every probe's figures and a fingerprint of the code the anchors run on
+(`anchor_code`: every source file but `uniform`'s own modules, the configs and profiles,
+and this script's knobs); `--anchors-from` an earlier goodput.json with the same
+fingerprint reads the anchors' probes from it instead of simulating them again (the
+simulator's clock is virtual: the same code gives the same figures), so a change to
+`uniform` gets the whole table and its Pareto figures in the time of `--only-uniform`.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import multiprocessing
@@ -68,6 +75,23 @@ ONLY_UNIFORM = False  # --only-uniform: the anchors' offline rows (for the rate 
 REFINE = 2  # --refine: bisections between a capacity's grid rate and the next (x1.1 -> ~x1.024)
 LIFETIMES = 1.0  # a probe's arrivals span at least this many request lives at the loosest
 #                 target (mean output x 5u): the rows reach what the rate sustains
+UNIFORM_ONLY = ("planner/uniform.py", "planner/admit.py", "planner/budget.py",
+                "planner/due.py", "planner/order.py")  # no anchor imports these
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = (".py", ".csv", ".json", ".yaml")  # what the fingerprint reads (no build outputs)
+
+
+def anchor_code() -> str:
+    """A fingerprint of what the anchors' probes depend on: every file of the package but
+    `uniform`'s own modules, the shipped configs and profiles, and this script's knobs."""
+    h = hashlib.sha256(repr((SLO_MULTIPLES, SERVE_CHUNKS, GLLM_MAXP, GRID_STEP, RATE0, ROWS_B,
+                             LIFETIMES)).encode())
+    pkg = ROOT / "pp_runtime"
+    files = [f for f in sorted(pkg.rglob("*")) if f.suffix in SOURCES
+             and f.relative_to(pkg).as_posix() not in UNIFORM_ONLY]
+    for f in files + sorted(f for f in (ROOT / "configs").rglob("*") if f.suffix in SOURCES):
+        h.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 class Setting:
@@ -88,6 +112,8 @@ class Setting:
         self.ttft_slo = 5 * (sum(cost.stage_times([(0, prompt)], []))
                              + sum(cost.send_time(prompt, s) for s in range(1, self.pp)))
         self.runs: dict[str, dict] = {}
+        self.known: dict[str, dict] = {}  # the anchors' probes of an earlier run (--anchors-from)
+        self.simulated = 0  # probes simulated here (not read from `known`)
         specs = generate(cfg.workload)
         self.mean_output = sum(s.output_len for s in specs) / len(specs)
         self.life_s = self.mean_output * max(SLO_MULTIPLES) * self.tbt_unloaded
@@ -105,6 +131,8 @@ class Setting:
 
     def run(self, planner: str, knobs: dict, qps: float | None) -> dict:
         key = json.dumps([planner, knobs, qps], sort_keys=True)
+        if key not in self.runs and planner != "uniform" and key in self.known:
+            self.runs[key] = self.known[key]  # --anchors-from: the same code's figures
         if key not in self.runs:
             self.bar.set_postfix_str(f"{self.config.split('/')[-1]} {planner} {knobs} {qps}"[:70])
             over = {**self.base, **knobs, "workload.qps": qps,
@@ -115,6 +143,7 @@ class Setting:
                 over.update({"in_flight": self.pp, "max_batch_size": ROWS_B})
             s = build_report(simulate(load_config(self.config, planner=planner, **over),
                                       progress=False))["summary"]
+            self.simulated += 1
             self.runs[key] = {"qps": qps, "makespan_s": s["makespan_s"],
                               "throughput_tok_s": s["throughput_tok_s"],
                               "bubble": s["bubble_fraction"], "tbt_p99": s["tbt_s"]["p99"],
@@ -300,21 +329,40 @@ def pareto(st: Setting, res: dict, path: Path) -> None:
 
 def run_setting(model: str, pd: float, requests: int, only_uniform: bool, out: Path,
                 bar: tqdm | None = None, overrides: dict | None = None,
-                refine: int = REFINE) -> dict:
+                refine: int = REFINE, known: dict | None = None) -> dict:
     """One setting whole (its offline rows, every target's capacities, its Pareto figure);
     in a worker process of `--jobs` or in this one (bar: the progress bar, None in a worker).
-    model: a key of MODELS or any config (name or path), with `overrides` (--set) on it."""
+    model: a key of MODELS or any config (name or path), with `overrides` (--set) on it;
+    known: {label: that setting's probes} of an earlier run on the same anchor code."""
     global ONLY_UNIFORM, REFINE
     ONLY_UNIFORM, REFINE = only_uniform, refine
     config = MODELS.get(model, model)
     sets = "".join(f", {k}={v}" for k, v in (overrides or {}).items())
     label = f"{config}{sets}, P:D {pd:g}, {requests} requests"
     st = Setting(config, requests, pd, bar if bar is not None else tqdm(disable=True), overrides)
+    st.known = (known or {}).get(label, {})
     res = one_setting(st, label)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model).stem if model not in MODELS else model)
     pareto(st, res, out / f"pareto_{name}_pd{pd:g}.png")
-    res["simulations"] = len(st.runs)
+    res["simulations"] = st.simulated
+    res["anchor_code"], res["runs"] = anchor_code(), st.runs
     return res
+
+
+def anchors_from(ap: argparse.ArgumentParser, path: str) -> dict:
+    """{setting label: its probes} from an earlier goodput.json, if the anchors' code is
+    this tree's (else a one-line error: their figures would not be this code's)."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        ap.error(f"--anchors-from {path}: {exc}")
+    here = anchor_code()
+    for res in earlier:
+        if res.get("anchor_code") != here:
+            ap.error(f"--anchors-from {path}: {res['setting']} ran on other anchor code "
+                     f"({res.get('anchor_code', 'none recorded')}, this tree {here}): "
+                     "run the anchors again (without --anchors-from)")
+    return {res["setting"]: res.get("runs", {}) for res in earlier}
 
 
 def main() -> None:
@@ -338,8 +386,12 @@ def main() -> None:
     ap.add_argument("--refine", type=int, default=REFINE,
                     help="bisections of each best capacity between its grid rate and the next "
                          f"(default {REFINE}: to about x1.024; 0: the x1.1 grid alone)")
+    ap.add_argument("--anchors-from", metavar="FILE",
+                    help="an earlier goodput.json: the anchors' probes of its settings are read "
+                         "from it (its anchor_code must be this tree's) instead of simulated")
     args = ap.parse_args()
     settings = [(m, float(x)) for m in args.models.split(",") for x in args.pd.split(",")]
+    known = anchors_from(ap, args.anchors_from) if args.anchors_from else None
     if args.requests < 1 or (args.jobs is not None and args.jobs < 1) or args.refine < 0:
         ap.error("--requests and --jobs must be >= 1, --refine >= 0")
     try:
@@ -368,13 +420,13 @@ def main() -> None:
         with tqdm(desc="goodput", unit="sim") as bar:
             for model, pd in settings:
                 done((model, pd), run_setting(model, pd, args.requests, args.only_uniform, out,
-                                              bar, overrides, args.refine))
+                                              bar, overrides, args.refine, known))
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(jobs, mp_context=ctx) as pool, \
                 tqdm(desc="goodput", unit="setting", total=len(settings)) as bar:
             futures = {pool.submit(run_setting, m, pd, args.requests, args.only_uniform, out,
-                                   None, overrides, args.refine): (m, pd)
+                                   None, overrides, args.refine, known): (m, pd)
                        for m, pd in settings}
             for fut in as_completed(futures):
                 done(futures[fut], fut.result())

@@ -1,6 +1,8 @@
 """benchmarks/goodput.py's rate ceiling and probe length, by hand on a toy cost model: the
 SLO ceiling (`slo_bound`), the requests a probe holds (`Setting.requests_at`), and the
 rates it probes (up to the work bound, not the offline throughput)."""
+import argparse
+import json
 import math
 
 import pytest
@@ -76,3 +78,23 @@ def test_a_capacity_is_bisected_between_its_grid_rate_and_the_next():
         goodput.REFINE = 2
     st.bound = 2.05  # the next grid rate (2.2) is past the bound: bisect towards the bound
     assert st.refine("uniform", {}, 0.1, q)[0] == pytest.approx(math.sqrt(math.sqrt(q * 2.05) * 2.05), rel=1e-6)
+
+
+def test_anchors_read_from_an_earlier_run_give_the_same_table(tmp_path, monkeypatch):
+    """A setting run once, then again with its probes known (`--anchors-from`): the same
+    cells and offline rows, with only `uniform`'s probes simulated; an earlier run on other
+    anchor code is refused in one line, naming both fingerprints."""
+    monkeypatch.setattr(goodput, "pareto", lambda *a: None)
+    first = goodput.run_setting("tiny", 3, 20, False, tmp_path, refine=0)
+    uniform = sum(json_key.startswith('["uniform"') for json_key in first["runs"])
+    again = goodput.run_setting("tiny", 3, 20, False, tmp_path, refine=0,
+                                known={first["setting"]: first["runs"]})
+    assert again["cells"] == first["cells"] and again["offline"] == first["offline"]
+    assert first["simulations"] == len(first["runs"]) and again["simulations"] == uniform
+    path = tmp_path / "goodput.json"
+    path.write_text(json.dumps([{**first, "anchor_code": "0" * 16}], default=str))
+    with pytest.raises(SystemExit):
+        goodput.anchors_from(argparse.ArgumentParser(), str(path))
+    path.write_text(json.dumps([first], default=str))
+    assert goodput.anchors_from(argparse.ArgumentParser(), str(path)) == {
+        first["setting"]: json.loads(json.dumps(first["runs"], default=str))}
