@@ -75,8 +75,8 @@ ONLY_UNIFORM = False  # --only-uniform: the anchors' offline rows (for the rate 
 REFINE = 2  # --refine: bisections between a capacity's grid rate and the next (x1.1 -> ~x1.024)
 LIFETIMES = 1.0  # a probe's arrivals span at least this many request lives at the loosest
 #                 target (mean output x 5u): the rows reach what the rate sustains
-UNIFORM_ONLY = ("planner/uniform.py", "planner/admit.py", "planner/budget.py",
-                "planner/due.py", "planner/order.py")  # no anchor imports these
+UNIFORM_ONLY = ("planner/uniform.py", "planner/admit.py", "planner/budget.py",  # no anchor
+                "planner/due.py", "planner/order.py", "planner/memory.py")  # imports these
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = (".py", ".csv", ".json", ".yaml")  # what the fingerprint reads (no build outputs)
 

@@ -5,7 +5,9 @@ micro-batch, decodes included, past which more tokens stop lowering the time per
 and with a TBT target S (`planner.tbt_slo_ms`) the pipeline clock: a micro-batch may come
 back no later than margin x S after the last token of each decode it carries (its predicted
 return includes the wait behind every micro-batch in flight; the margin is 0.95, less where
-the tokens' gaps come out longer than planned: `TimeBudget.unplanned`). With no target only K
+the tokens' gaps come out longer than planned: `TimeBudget.unplanned`; S, or the round the
+KV pages sustain at the measured load where that is shorter: `MemoryRound`, a looser target
+would lengthen every life until the pages fill and arrivals queue). With no target only K
 bounds it, so an offline batch runs at the knee. Each micro-batch:
 
   1. decodes first, spread evenly: at most ceil(R / pp) of the R requests decoding, oldest
@@ -66,6 +68,7 @@ from pp_runtime.planner.blocks import GrowthReserve
 from pp_runtime.planner.budget import PipelineClock, TimeBudget, largest_at_most
 from pp_runtime.planner.cost import CostModel
 from pp_runtime.planner.due import TokensDue
+from pp_runtime.planner.memory import MemoryRound
 from pp_runtime.planner.order import SlackOrder
 
 MAX_PACKED = 16  # prefill chunks in one micro-batch, at most
@@ -104,6 +107,7 @@ class UniformPlanner(UniformAdmission, BasePlanner):
         self.hop_s = send(1, 1) if send is not None and self.pp > 1 else 0.0
         self.due = TokensDue()  # when each request's next token is due (planner/due.py)
         self.urgent = 0  # prompt tokens this micro-batch needs for the queue's TTFT target
+        self.memory = MemoryRound(cfg.seq_len, self.kv)  # the round the KV pages sustain
         self.row_s: dict[tuple[int, int], float] = {}  # `row_cap`'s (decodes, KV length)
         #                   -> the cost model's seconds, priced once
         batch = not self.bounded and pl.ttft_slo_ms is None  # no target: for the makespan
@@ -129,6 +133,7 @@ class UniformPlanner(UniformAdmission, BasePlanner):
 
     def add(self, req: Request) -> None:
         super().add(req)
+        self.memory.add(req)
         if self.order is not None:
             self.order.add(req)
 
@@ -194,12 +199,15 @@ class UniformPlanner(UniformAdmission, BasePlanner):
     def round_bound(self, now: float, decodes: list[int]) -> float:
         """The latest the next micro-batch may come back (inf without a TBT target): margin x
         S after the last token of each ready decode (those it carries and those left to the
-        micro-batches behind it) and after the predicted return of each token on its way.
-        The clock's completion includes the wait behind every micro-batch in flight."""
+        micro-batches behind it) and after the predicted return of each token on its way,
+        or margin x the round the KV pages sustain at the measured load where that is less
+        (`MemoryRound`). The clock's completion includes the wait behind every micro-batch
+        in flight."""
         b = self.budget
         if b.tbt_slo_s is None:
             return INF
-        return self.due.first_due(now, decodes, self.clock.done) + b.tbt_slo_s * b.margin
+        room = min(b.tbt_slo_s, self.memory.round_s(now, self.out_share))  # (planner/memory.py)
+        return self.due.first_due(now, decodes, self.clock.done) + room * b.margin
 
     def fill(self, now: float, kv: list[int], prefilling: list[Request],
              bound: float, even: int) -> list[SeqChunk]:
