@@ -169,6 +169,10 @@ class Request:
                              error if self.finish_reason == FinishReason.ERROR else None,
                              self.num_cached, self.num_preemptions, self.num_recomputed)
 
+    def output_cap(self, seq_len: int) -> int:
+        """Tokens it may make: its `max_tokens`, within a context of `seq_len` positions."""
+        return min(self.params.max_tokens, seq_len - self.prompt_len)
+
     def token_range(self, start: int, end: int) -> tuple[int, ...]:
         """Token ids at positions [start, end) (prompt, then generated tokens)."""
         n = self.prompt_len

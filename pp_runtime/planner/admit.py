@@ -22,7 +22,7 @@ class UniformAdmission:
 
     def expected_len(self, r: Request) -> float:
         """KV length at the end: the prompt and the output the request is expected to make."""
-        cap = min(r.params.max_tokens, self.seq_len - r.prompt_len)
+        cap = r.output_cap(self.seq_len)
         return r.prompt_len + max(len(r.output_token_ids), self.out_share * cap)
 
     def admit(self, now: float) -> None:

@@ -43,7 +43,7 @@ class MemoryRound:
         ahead, seen = self.ahead, self.seen
         while ahead and ahead[0].arrival_s <= now:
             r = ahead.popleft()
-            cap = min(r.params.max_tokens, self.seq_len - r.prompt_len)
+            cap = r.output_cap(self.seq_len)
             seen.append((r.arrival_s, r.prompt_len, cap))
             self.prompt += r.prompt_len
             self.output += cap

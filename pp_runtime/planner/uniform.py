@@ -141,7 +141,7 @@ class UniformPlanner(UniformAdmission, BasePlanner):
         """Rounds through the pipeline `r` needs from admission: one per token it may make
         (its `max_tokens`, within the context), and its prompt's chunks at the knee (a round
         carries depth of them). Fixed for a request, so the queue's order is too."""
-        made = min(r.params.max_tokens, self.seq_len - r.prompt_len)
+        made = r.output_cap(self.seq_len)
         return made + r.prefill_len / (self.top * self.depth)
 
     # ---- composing ---------------------------------------------------------------------
