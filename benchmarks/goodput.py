@@ -26,7 +26,10 @@ For each setting:
   - no target: every request at once, makespan of uniform's defaults against each anchor's
     best knob;
   - a Pareto figure: throughput against p99 TBT of every probe that met the TTFT target,
-    each planner's frontier (its best over knobs).
+    each planner's frontier (its best over knobs: for `uniform`, its TBT target, probed at
+    the table's targets and at each anchor frontier point it does not match yet, that
+    point's p99 TBT as its target; `goodput_frontier.py`), and a line saying at how many of
+    the anchors' frontier points `uniform`'s frontier lies at or above.
 Every planner gets the same KV bytes (the config's kv_slots contexts, as 16-token pages).
 
     python benchmarks/goodput.py [--requests 1000] [--pd 1,3,10] [--models gpt3,llama]
@@ -49,6 +52,7 @@ import math
 import multiprocessing
 import os
 import re
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -63,6 +67,9 @@ from pp_runtime.core.workload import generate
 from pp_runtime.engine.simulate import check_memory, simulate
 from pp_runtime.plan.search import Workload, upper_bound
 from pp_runtime.telemetry.report import build_report
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # goodput_frontier beside this file
+from goodput_frontier import check, pareto, summary  # noqa: E402
 
 MODELS = {"gpt3": "paper/gpt3_tp8_pp8", "llama": "paper/llama2_70b_tp8_pp8_h100"}
 SLO_MULTIPLES = (2, 3, 5)
@@ -291,40 +298,8 @@ def print_setting(res: dict) -> None:
           f"| {off['gllm']['makespan_s']:.1f} s ({off['gllm']['knobs']}) "
           f"| {off['uniform']['makespan_s'] / best:.3f} (makespan) "
           f"| {off['uniform']['tbt_p99'] * 1e3:.0f} ms | {off['uniform']['bubble']:.2%} |")
-
-
-def pareto(st: Setting, res: dict, path: Path) -> None:
-    """Throughput against p99 TBT of every probe that met the TTFT target; each planner's
-    frontier (best throughput at or below each TBT) as a step line."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for planner, color in (("uniform", "C0"), ("sarathi-serve", "C1"), ("gllm", "C2")):
-        pts = sorted((v["tbt_p99"], v["throughput_tok_s"])
-                     for k, v in st.runs.items() if json.loads(k)[0] == planner
-                     and v["qps"] is not None and v["ttft_p99"] <= st.ttft_slo and not v["failed"])
-        front, top = [], 0.0
-        for tbt, thr in pts:
-            if thr > top:
-                front.append((tbt, thr))
-                top = thr
-        if pts:
-            ax.scatter([p[0] * 1e3 for p in pts], [p[1] for p in pts], s=10, color=color, alpha=0.3)
-            ax.step([p[0] * 1e3 for p in front], [p[1] for p in front], where="post",
-                    color=color, label=f"{planner} frontier")
-    for c in res["cells"]:
-        ax.axvline(c["tbt_slo_s"] * 1e3, color="#999999", lw=0.8, linestyle="--")
-    ax.set_xscale("log")
-    ax.set_xlabel("p99 time between tokens (ms; dashed: the TBT targets)")
-    ax.set_ylabel("throughput (tokens/s)")
-    ax.set_title(f"{res['setting']}: probes meeting p99 TTFT <= {st.ttft_slo:.2f} s", fontsize=10)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if res.get("frontier"):
+        print(f"\n{res['frontier']}")
 
 
 def run_setting(model: str, pd: float, requests: int, only_uniform: bool, out: Path,
@@ -342,6 +317,9 @@ def run_setting(model: str, pd: float, requests: int, only_uniform: bool, out: P
     st = Setting(config, requests, pd, bar if bar is not None else tqdm(disable=True), overrides)
     st.known = (known or {}).get(label, {})
     res = one_setting(st, label)
+    if not only_uniform:  # uniform's TBT target swept like the anchors' knobs (goodput_frontier)
+        res["frontier_check"] = check(st, st.refine)
+        res["frontier"] = summary(st, res["frontier_check"])
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model).stem if model not in MODELS else model)
     pareto(st, res, out / f"pareto_{name}_pd{pd:g}.png")
     res["simulations"] = st.simulated

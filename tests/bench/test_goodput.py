@@ -98,3 +98,49 @@ def test_anchors_read_from_an_earlier_run_give_the_same_table(tmp_path, monkeypa
     path.write_text(json.dumps([first], default=str))
     assert goodput.anchors_from(argparse.ArgumentParser(), str(path)) == {
         first["setting"]: json.loads(json.dumps(first["runs"], default=str))}
+
+
+def test_uniform_is_probed_at_each_anchor_frontier_point_it_does_not_match():
+    """The frontier check by hand: Sarathi-Serve's frontier (13, 20, 30 ms) and gLLM's (11,
+    40 ms; 11 is under the unloaded TBT, 12 ms) against `uniform`'s one point (25 ms, 150
+    tok/s): it is probed with 20 and 30 ms as its targets (13 ms is under its floor: its
+    one-line error, skipped), not 40 ms (150 >= 50 already); it carries 120 >= 100 at 20 ms
+    and 250 < 300 at 30 ms, so its frontier is at or above 2 of the 4 points."""
+    from types import SimpleNamespace
+
+    from pp_runtime.config import ConfigError
+
+    fr = load_benchmark("goodput_frontier")
+    st = SimpleNamespace(ttft_slo=1.0, tbt_unloaded=0.012, runs={})
+
+    def add(planner, tbt, thr, ttft=0.5):
+        st.runs[json.dumps([planner, {"tbt": tbt}, 1.0])] = {
+            "qps": 1.0, "tbt_p99": tbt, "throughput_tok_s": thr, "ttft_p99": ttft, "failed": 0}
+
+    for tbt, thr in ((0.013, 40), (0.02, 100), (0.03, 300), (0.05, 200)):
+        add("sarathi-serve", tbt, thr)
+    add("sarathi-serve", 0.04, 900, ttft=2.0)  # missed the TTFT target: on no frontier
+    add("gllm", 0.011, 10)
+    add("gllm", 0.04, 50)
+    add("uniform", 0.025, 150)
+    probed, carried = [], {20: (0.018, 120), 30: (0.028, 250)}
+
+    def capacity(planner, knobs, slo):
+        if knobs["tbt_slo_ms"] < 15:
+            raise ConfigError("planner.tbt_slo_ms: below one decode through the pipeline")
+        probed.append(round(knobs["tbt_slo_ms"]))
+        return 1.0, None
+
+    def refine(planner, knobs, slo, qps):
+        tbt, thr = carried[round(knobs["tbt_slo_ms"])]
+        add("uniform", tbt, thr)
+        return qps, {"throughput_tok_s": thr, "tbt_p99": tbt}
+
+    st.capacity = capacity
+    rows = fr.check(st, refine)
+    assert probed == [20, 30]
+    assert [(r["anchor"], r["tbt_p99"], r["uniform_tok_s"]) for r in rows] == [
+        ("sarathi-serve", 0.02, 120), ("sarathi-serve", 0.03, 250)]
+    line = fr.summary(st, rows)
+    assert line.startswith("frontier: uniform at or above 2 of the anchors' 4 frontier points")
+    assert "sarathi-serve 13.0 ms (0 < 40 tok/s)" in line and "sarathi-serve 30.0 ms (250 < 300 tok/s)" in line

@@ -1,0 +1,104 @@
+"""Goodput's Pareto figure and its frontier check (benchmarks/goodput.py).
+
+A planner's frontier: every probe that met the TTFT target, its throughput against its p99
+TBT, the best throughput at or below each TBT. The anchors' knobs (chunk sizes, maxp) put
+points between the table's targets; `uniform`'s knob is its TBT target, which the table
+sets to three values, so its frontier has three steps. The check gives `uniform` what the
+anchors get: for each point of an anchor's frontier that `uniform`'s probes do not already
+match (a point of its own at or below that p99 TBT with at least that throughput),
+`uniform`'s capacity with that p99 TBT as its target (the setting's TTFT target kept);
+its frontier lies above the anchor's where each such capacity's throughput is at least the
+point's. Targets below the unloaded time between tokens are left out (no planner meets
+them: one decode through the pipeline takes longer), and so are those `uniform` refuses
+(below one decode per micro-batch in flight: its one-line error).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pp_runtime.config import ConfigError
+
+
+def points(st, planner: str) -> list[tuple[float, float]]:
+    """(p99 TBT, throughput) of `planner`'s probes that met the TTFT target, by TBT."""
+    return sorted((v["tbt_p99"], v["throughput_tok_s"]) for k, v in st.runs.items()
+                  if json.loads(k)[0] == planner and v["qps"] is not None
+                  and v["ttft_p99"] <= st.ttft_slo and not v["failed"])
+
+
+def front(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no point at a lower or equal TBT beats on throughput (TBT-sorted input)."""
+    out, top = [], 0.0
+    for tbt, thr in pts:
+        if thr > top:
+            out.append((tbt, thr))
+            top = thr
+    return out
+
+
+def best_at(pts: list[tuple[float, float]], tbt: float) -> float:
+    return max((thr for t, thr in pts if t <= tbt), default=0.0)
+
+
+def check(st, refine) -> list[dict]:
+    """`uniform` at each anchor frontier point it does not match yet, that point's p99 TBT
+    as its target: one row per such point (the anchor, its TBT and throughput, `uniform`'s
+    capacity there and the throughput it carried)."""
+    rows = []
+    for planner in ("sarathi-serve", "gllm"):
+        for tbt, thr in front(points(st, planner)):
+            if tbt < st.tbt_unloaded or best_at(points(st, "uniform"), tbt) >= thr:
+                continue
+            knobs = {"tbt_slo_ms": tbt * 1e3, "ttft_slo_ms": st.ttft_slo * 1e3}
+            try:
+                grid = st.capacity("uniform", knobs, tbt)[0]
+            except ConfigError:  # under uniform's floor: one decode per micro-batch in flight
+                continue
+            qps, run = refine("uniform", knobs, tbt, grid)
+            rows.append({"anchor": planner, "tbt_p99": tbt, "throughput_tok_s": thr,
+                         "uniform_qps": qps, "uniform_tok_s": run["throughput_tok_s"] if qps else 0.0,
+                         "uniform_tbt_p99": run["tbt_p99"] if qps else None})
+    return rows
+
+
+def summary(st, rows: list[dict]) -> str:
+    """One line: how many anchor frontier points `uniform`'s frontier lies at or above."""
+    pts = points(st, "uniform")
+    fronts = [(p, t, thr) for p in ("sarathi-serve", "gllm") for t, thr in front(points(st, p))
+              if t >= st.tbt_unloaded]
+    below = [(p, t, thr, best_at(pts, t)) for p, t, thr in fronts if best_at(pts, t) < thr]
+    line = (f"frontier: uniform at or above {len(fronts) - len(below)} of the anchors' "
+            f"{len(fronts)} frontier points ({len(rows)} checked with that p99 TBT as its target)")
+    if below:
+        line += "; below at " + ", ".join(f"{p} {t * 1e3:.1f} ms ({u:.0f} < {thr:.0f} tok/s)"
+                                          for p, t, thr, u in below)
+    return line
+
+
+def pareto(st, res: dict, path: Path) -> None:
+    """Throughput against p99 TBT of every probe that met the TTFT target; each planner's
+    frontier as a step line; the table's targets dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for planner, color in (("uniform", "C0"), ("sarathi-serve", "C1"), ("gllm", "C2")):
+        pts = points(st, planner)
+        if pts:
+            line = front(pts)
+            ax.scatter([p[0] * 1e3 for p in pts], [p[1] for p in pts], s=10, color=color, alpha=0.3)
+            ax.step([p[0] * 1e3 for p in line], [p[1] for p in line], where="post",
+                    color=color, label=f"{planner} frontier")
+    for c in res["cells"]:
+        ax.axvline(c["tbt_slo_s"] * 1e3, color="#999999", lw=0.8, linestyle="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("p99 time between tokens (ms; dashed: the TBT targets)")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_title(f"{res['setting']}: probes meeting p99 TTFT <= {st.ttft_slo:.2f} s", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
