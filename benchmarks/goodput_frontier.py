@@ -55,10 +55,10 @@ def check(st, refine) -> list[dict]:
                 grid = st.capacity("uniform", knobs, tbt)[0]
             except ConfigError:  # under uniform's floor: one decode per micro-batch in flight
                 continue
-            qps, run = refine("uniform", knobs, tbt, grid)
+            qps, run = refine("uniform", knobs, tbt, grid) if grid > 0 else (0.0, None)
             rows.append({"anchor": planner, "tbt_p99": tbt, "throughput_tok_s": thr,
-                         "uniform_qps": qps, "uniform_tok_s": run["throughput_tok_s"] if qps else 0.0,
-                         "uniform_tbt_p99": run["tbt_p99"] if qps else None})
+                         "uniform_qps": qps, "uniform_tok_s": run["throughput_tok_s"] if run else 0.0,
+                         "uniform_tbt_p99": run["tbt_p99"] if run else None})
     return rows
 
 

@@ -102,10 +102,11 @@ def test_anchors_read_from_an_earlier_run_give_the_same_table(tmp_path, monkeypa
 
 def test_uniform_is_probed_at_each_anchor_frontier_point_it_does_not_match():
     """The frontier check by hand: Sarathi-Serve's frontier (13, 20, 30 ms) and gLLM's (11,
-    40 ms; 11 is under the unloaded TBT, 12 ms) against `uniform`'s one point (25 ms, 150
-    tok/s): it is probed with 20 and 30 ms as its targets (13 ms is under its floor: its
-    one-line error, skipped), not 40 ms (150 >= 50 already); it carries 120 >= 100 at 20 ms
-    and 250 < 300 at 30 ms, so its frontier is at or above 2 of the 4 points."""
+    16, 40 ms; 11 is under the unloaded TBT, 12 ms) against `uniform`'s one point (25 ms, 150
+    tok/s): it is probed with 20, 30 and 16 ms as its targets (13 ms is under its floor: its
+    one-line error, skipped), not 40 ms (150 >= 50 already); it carries 120 >= 100 at 20 ms,
+    250 < 300 at 30 ms and meets no rate at 16 ms, so its frontier is at or above 2 of the
+    5 points."""
     from types import SimpleNamespace
 
     from pp_runtime.config import ConfigError
@@ -123,13 +124,14 @@ def test_uniform_is_probed_at_each_anchor_frontier_point_it_does_not_match():
     add("gllm", 0.011, 10)
     add("gllm", 0.04, 50)
     add("uniform", 0.025, 150)
+    add("gllm", 0.016, 30)  # uniform meets no rate at 16 ms: capacity 0, no refine
     probed, carried = [], {20: (0.018, 120), 30: (0.028, 250)}
 
     def capacity(planner, knobs, slo):
         if knobs["tbt_slo_ms"] < 15:
             raise ConfigError("planner.tbt_slo_ms: below one decode through the pipeline")
         probed.append(round(knobs["tbt_slo_ms"]))
-        return 1.0, None
+        return (0.0 if knobs["tbt_slo_ms"] < 17 else 1.0), None
 
     def refine(planner, knobs, slo, qps):
         tbt, thr = carried[round(knobs["tbt_slo_ms"])]
@@ -138,9 +140,9 @@ def test_uniform_is_probed_at_each_anchor_frontier_point_it_does_not_match():
 
     st.capacity = capacity
     rows = fr.check(st, refine)
-    assert probed == [20, 30]
+    assert probed == [20, 30, 16]
     assert [(r["anchor"], r["tbt_p99"], r["uniform_tok_s"]) for r in rows] == [
-        ("sarathi-serve", 0.02, 120), ("sarathi-serve", 0.03, 250)]
+        ("sarathi-serve", 0.02, 120), ("sarathi-serve", 0.03, 250), ("gllm", 0.016, 0.0)]
     line = fr.summary(st, rows)
-    assert line.startswith("frontier: uniform at or above 2 of the anchors' 4 frontier points")
+    assert line.startswith("frontier: uniform at or above 2 of the anchors' 5 frontier points")
     assert "sarathi-serve 13.0 ms (0 < 40 tok/s)" in line and "sarathi-serve 30.0 ms (250 < 300 tok/s)" in line
