@@ -119,6 +119,7 @@ class Setting:
         self.ttft_slo = 5 * (sum(cost.stage_times([(0, prompt)], []))
                              + sum(cost.send_time(prompt, s) for s in range(1, self.pp)))
         self.runs: dict[str, dict] = {}
+        self.multiples = SLO_MULTIPLES  # the table's targets, x the unloaded TBT
         self.known: dict[str, dict] = {}  # the anchors' probes of an earlier run (--anchors-from)
         self.simulated = 0  # probes simulated here (not read from `known`)
         specs = generate(cfg.workload)

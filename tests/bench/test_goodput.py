@@ -102,8 +102,8 @@ def test_anchors_read_from_an_earlier_run_give_the_same_table(tmp_path, monkeypa
 
 def test_uniform_is_probed_at_each_anchor_frontier_point_it_does_not_match():
     """The frontier check by hand: Sarathi-Serve's frontier (13, 20, 30 ms) and gLLM's (11,
-    16, 40 ms; 11 is under the unloaded TBT, 12 ms) against `uniform`'s one point (25 ms, 150
-    tok/s): it is probed with 20, 30 and 16 ms as its targets (13 ms is under its floor: its
+    16, 40 ms; 11 is under the table's tightest target, 2 x 6 ms) against `uniform`'s one
+    point (25 ms, 150 tok/s): it is probed with 20, 30 and 16 ms as its targets (13 ms is under its floor: its
     one-line error, skipped), not 40 ms (150 >= 50 already); it carries 120 >= 100 at 20 ms,
     250 < 300 at 30 ms and meets no rate at 16 ms, so its frontier is at or above 2 of the
     5 points."""
@@ -112,7 +112,7 @@ def test_uniform_is_probed_at_each_anchor_frontier_point_it_does_not_match():
     from pp_runtime.config import ConfigError
 
     fr = load_benchmark("goodput_frontier")
-    st = SimpleNamespace(ttft_slo=1.0, tbt_unloaded=0.012, runs={})
+    st = SimpleNamespace(ttft_slo=1.0, tbt_unloaded=0.006, multiples=(2, 3, 5), runs={})
 
     def add(planner, tbt, thr, ttft=0.5):
         st.runs[json.dumps([planner, {"tbt": tbt}, 1.0])] = {
@@ -144,5 +144,5 @@ def test_uniform_is_probed_at_each_anchor_frontier_point_it_does_not_match():
     assert [(r["anchor"], r["tbt_p99"], r["uniform_tok_s"]) for r in rows] == [
         ("sarathi-serve", 0.02, 120), ("sarathi-serve", 0.03, 250), ("gllm", 0.016, 0.0)]
     line = fr.summary(st, rows)
-    assert line.startswith("frontier: uniform at or above 2 of the anchors' 5 frontier points")
+    assert line.startswith("frontier: uniform at or above 2 of the anchors' 5 frontier points at p99 TBT >= 12.0 ms")
     assert "sarathi-serve 13.0 ms (0 < 40 tok/s)" in line and "sarathi-serve 30.0 ms (250 < 300 tok/s)" in line
