@@ -29,24 +29,19 @@ def resolve(cfg: Config, gpus: int | None = None) -> tuple[str, str | None]:
     return kind, "cuda" if (gpus if gpus is not None else local_gpus()) >= 1 else "cpu"
 
 
-TOKEN_HOP_AUTO = ("ray", "torchrun")  # where token_hop: auto is on (tp = 1): tested there
+TOKEN_HOP_AUTO = ("ray", "graph", "torchrun")  # where token_hop: auto is on (tp = 1): tested there
 
 
 def token_hop_on(cfg: Config, path: str) -> bool:
     """`runtime.token_hop` resolved for an executor that reaches its stages by `path`:
     "ray" (a task per actor), "relay", "graph", "torchrun" or "local". Off with pp = 1
-    (no hop to skip); auto: on for ray's task path and torchrun at tp = 1 (where it is
-    tested), off elsewhere; true on the compiled graph is refused (not implemented)."""
-    from pp_runtime.core.errors import ConfigError
-
+    (no hop to skip); auto: on for ray's task path, the compiled graph and torchrun at
+    tp = 1 (where it is tested), off elsewhere."""
     setting, p = cfg.runtime.token_hop, cfg.parallel
     if p.pp < 2:
         return False
     if setting == "auto":
         return path in TOKEN_HOP_AUTO and p.tp == 1
-    if setting and path == "graph":
-        raise ConfigError("runtime.token_hop: true is not implemented on the compiled graph; "
-                          "set runtime.compiled_graph: false, or token_hop: auto")
     return bool(setting)
 
 

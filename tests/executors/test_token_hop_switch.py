@@ -1,4 +1,4 @@
-"""runtime.token_hop: where auto turns it on, and what true refuses (executors.token_hop_on)."""
+"""runtime.token_hop: where auto turns it on (executors.token_hop_on)."""
 import pytest
 
 from pp_runtime.config import Config
@@ -12,7 +12,7 @@ def cfg(**kw):
 
 @pytest.mark.parametrize("path, tp, on", [
     ("ray", 1, True), ("torchrun", 1, True), ("ray", 2, False), ("relay", 2, False),
-    ("graph", 1, False), ("local", 1, False)])
+    ("graph", 1, True), ("graph", 2, False), ("local", 1, False)])
 def test_auto_is_on_where_tested(path, tp, on):
     assert token_hop_on(cfg(pp=2, tp=tp), path) is on
 
@@ -21,11 +21,7 @@ def test_off_without_a_pipeline_and_where_switched_off():
     assert not token_hop_on(cfg(pp=1, token_hop=True), "ray")
     assert not token_hop_on(cfg(pp=2, token_hop=False), "ray")
     assert token_hop_on(cfg(pp=2, tp=2, token_hop=True), "relay")
-
-
-def test_true_on_the_compiled_graph_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="not implemented on the compiled graph"):
-        token_hop_on(cfg(pp=2, token_hop=True), "graph")
+    assert token_hop_on(cfg(pp=2, tp=2, token_hop=True), "graph")
 
 
 def test_an_unknown_value_is_refused():

@@ -19,6 +19,8 @@ from test_hf_reference import hf_greedy, make_prompts  # noqa: E402
 
 NEW = 12
 PLAN = dict(chunk_size=8, max_batch_size=3, threads_per_worker=1)
+# Ray's two ways to reach the stages: a task per actor, one compiled graph (auto on a GPU)
+PATHS = {"tasks": dict(compiled_graph=False), "graph": dict(compiled_graph=True)}
 
 
 @pytest.fixture(scope="module")
@@ -83,31 +85,32 @@ def generate_on(llm, prompts, params):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("via", PATHS)
 @pytest.mark.parametrize("pp", [2, 3])
-def test_ray_token_hop_equals_transformers(gpt, local_ray, pp, request):
-    """On by default on Ray's task path (token_hop: auto); the placeholders' ids came from
-    the last stage, never from the driver."""
+def test_ray_token_hop_equals_transformers(gpt, local_ray, pp, via, request):
+    """On by default on Ray's task path and the compiled graph (token_hop: auto); the
+    placeholders' ids came from the last stage, never from the driver."""
     _, path, prompts, reference = gpt
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    if pp == 2:
+    if pp == 2 and via == "tasks":
         outs, mbs, hop, free = generate_on(request.getfixturevalue("ray_pp2"), prompts, params)
     else:
         outs, mbs, hop, free = generate(path, prompts, params, pp=pp, executor="ray",
-                                        compiled_graph=False)
+                                        **PATHS[via])
     assert hop and sum(len(mb.placeholders) for mb in mbs) > len(prompts)
     assert [o.token_ids for o in outs] == reference
     assert free
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("relay", [False, True], ids=["tasks", "relay"])
-def test_ray_token_hop_at_tp2_equals_transformers(gpt, local_ray, relay):
+@pytest.mark.parametrize("via", ["tasks", "relay", "graph"])
+def test_ray_token_hop_at_tp2_equals_transformers(gpt, local_ray, via):
     """token_hop: true at TP = 2 (auto leaves it off there): each stage-0 TP rank receives
     its own copy of the ids."""
     _, path, prompts, reference = gpt
     outs, mbs, hop, free = generate(path, prompts, SamplingParams(max_tokens=NEW, ignore_eos=True),
-                                    tp=2, pp=2, executor="ray", compiled_graph=False,
-                                    tp_relay=relay, token_hop=True)
+                                    tp=2, pp=2, executor="ray", compiled_graph=via == "graph",
+                                    tp_relay=via == "relay", token_hop=True)
     assert hop and any(mb.placeholders for mb in mbs)
     assert [o.token_ids for o in outs] == reference
     assert free
@@ -125,7 +128,8 @@ def test_ray_token_hop_seeded_sampling_equals_the_path_without_it(gpt, ray_pp2):
 
 
 @pytest.mark.slow
-def test_ray_eos_with_a_decode_planned_ahead(gpt, local_ray):
+@pytest.mark.parametrize("via", PATHS)
+def test_ray_eos_with_a_decode_planned_ahead(gpt, local_ray, via):
     """EOS is set to the 4th greedy token of prompt 0: every request stops at its first
     EOS, as transformers' tokens say; prompt 0's decode planned before its EOS came back
     was computed and dropped (it is in a later micro-batch), and every block is back."""
@@ -133,7 +137,7 @@ def test_ray_eos_with_a_decode_planned_ahead(gpt, local_ray):
     eos = reference[0][3]
     expected = [ref[:ref.index(eos) + 1] if eos in ref else ref for ref in reference]
     outs, mbs, hop, free = generate(path, prompts, SamplingParams(max_tokens=NEW), pp=2,
-                                    executor="ray", compiled_graph=False, eos_token_id=eos)
+                                    executor="ray", eos_token_id=eos, **PATHS[via])
     assert hop
     assert [o.token_ids for o in outs] == expected
     assert outs[0].finish_reason == "eos"
@@ -144,15 +148,17 @@ def test_ray_eos_with_a_decode_planned_ahead(gpt, local_ray):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("via", PATHS)
 @pytest.mark.parametrize("stage", [0, 1], ids=["first", "last"])
-def test_ray_a_stage_killed_with_tokens_in_transit_ends_every_request(gpt, local_ray, stage):
+def test_ray_a_stage_killed_with_tokens_in_transit_ends_every_request(gpt, local_ray, stage,
+                                                                      via):
     """SIGKILL at the first result of a decode planned ahead (more in flight): with no recovery every
     request ends with an error at once, none hangs; with recovery every output equals
     transformers'."""
     _, path, prompts, reference = gpt
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
     for attempts in (0, 3):
-        with LLM.from_pretrained(path, **PLAN, pp=2, executor="ray", compiled_graph=False,
+        with LLM.from_pretrained(path, **PLAN, pp=2, executor="ray", **PATHS[via],
                                  step_timeout_s=10.0, recovery_attempts=attempts) as llm:
             assert llm.executor.token_hop
             pid = ray.get(llm.executor.actors[stage].pid.remote(), timeout=30)
