@@ -285,7 +285,7 @@ def test_token_hop_placeholders_wait_for_their_token_on_stage_0():
 
 def test_a_calibrated_simulation_plans_ahead_with_the_hop(tmp_path):
     """simulate() runs the hop where the cost carries a calibration of a real executor on
-    which runtime.token_hop resolves on (auto: ray tasks, tp = 1), and not without one or
+    which runtime.token_hop resolves on (auto: ray tasks or the compiled graph, tp = 1), and not without one or
     with token_hop false; planning ahead, the tokens are the same ones."""
     from pp_runtime.costmodel.calibration import Calibration, HostCost
     from pp_runtime.engine.simulate import sim_token_hop
@@ -301,6 +301,11 @@ def test_a_calibrated_simulation_plans_ahead_with_the_hop(tmp_path):
     cost.host = cost.calibration.host
     assert sim_token_hop(cfg, cost)
     assert not sim_token_hop(cfg.with_overrides(token_hop=False), cost)
+    tasks, cost.calibration = cost.calibration, Calibration("ray", 2, host=cost.host, path="graph")
+    assert sim_token_hop(cfg, cost)  # the compiled graph runs it too
+    cost.calibration = Calibration("ray", 2, host=cost.host, path="relay")
+    assert not sim_token_hop(cfg, cost)  # the TP relay does not (auto)
+    cost.calibration = tasks
     hop = simulate(cfg, cost, progress=False)
     off = simulate(cfg.with_overrides(token_hop=False), cost, progress=False)
     assert [len(o.token_ids) for o in hop.requests] == [len(o.token_ids) for o in off.requests]
