@@ -232,8 +232,9 @@ class RuntimeConfig:
     token_hop: bool | str = "auto"  # pp > 1: the last stage sends each sampled id straight
     #                         to stage 0 and the driver plans decodes ahead with placeholders
     #                         (docs/distributed.md, "Tokens skip the driver"); "auto": on for
-    #                         ray's task-per-actor path, the compiled graph and torchrun at
-    #                         tp = 1, off elsewhere (the local executor, the TP relay, tp > 1);
+    #                         ray's task-per-actor path at any tp, the compiled graph and
+    #                         torchrun at tp = 1, off elsewhere (the local executor, the TP
+    #                         relay, the graph and torchrun at tp > 1);
     #                         the simulator as the calibrated executor it stands for
     # CPU fast paths (docs/performance.md); neither changes anything on CUDA
     prepack: bool = True  # linear layers on prepacked oneDNN weights (CPU, float32/bfloat16,

@@ -30,18 +30,19 @@ def resolve(cfg: Config, gpus: int | None = None) -> tuple[str, str | None]:
 
 
 TOKEN_HOP_AUTO = ("ray", "graph", "torchrun")  # where token_hop: auto is on (tp = 1): tested there
+TOKEN_HOP_AUTO_TP = ("ray",)  # and at tp > 1: measured there (docs/distributed.md)
 
 
 def token_hop_on(cfg: Config, path: str) -> bool:
     """`runtime.token_hop` resolved for an executor that reaches its stages by `path`:
     "ray" (a task per actor), "relay", "graph", "torchrun" or "local". Off with pp = 1
-    (no hop to skip); auto: on for ray's task path, the compiled graph and torchrun at
-    tp = 1 (where it is tested), off elsewhere."""
+    (no hop to skip); auto: on for ray's task path at any tp, the compiled graph and
+    torchrun at tp = 1 (where it is tested and measured), off elsewhere."""
     setting, p = cfg.runtime.token_hop, cfg.parallel
     if p.pp < 2:
         return False
     if setting == "auto":
-        return path in TOKEN_HOP_AUTO and p.tp == 1
+        return path in (TOKEN_HOP_AUTO if p.tp == 1 else TOKEN_HOP_AUTO_TP)
     return bool(setting)
 
 

@@ -11,7 +11,8 @@ def cfg(**kw):
 
 
 @pytest.mark.parametrize("path, tp, on", [
-    ("ray", 1, True), ("torchrun", 1, True), ("ray", 2, False), ("relay", 2, False),
+    ("ray", 1, True), ("torchrun", 1, True), ("ray", 2, True), ("torchrun", 2, False),
+    ("relay", 2, False),
     ("graph", 1, True), ("graph", 2, False), ("local", 1, False)])
 def test_auto_is_on_where_tested(path, tp, on):
     assert token_hop_on(cfg(pp=2, tp=tp), path) is on
