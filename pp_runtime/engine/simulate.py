@@ -68,9 +68,9 @@ def sim_depth(cfg: Config, cost: StageCost) -> Config:
 def sim_token_hop(cfg: Config, cost: StageCost) -> bool:
     """Whether the simulated pipeline runs the token hop: where the cost model carries a
     calibration of a real executor (its host costs) on which `runtime.token_hop` resolves
-    on (`executors.token_hop_on`; auto: Ray's task path, the compiled graph and
-    torchrun at tp = 1, the task path at any tp). Without one the simulator prices no driver round trip to skip (no
-    host costs): the hop is off."""
+    on (`executors.token_hop_on`; auto: Ray's task path at any tp, the compiled graph
+    and torchrun at tp = 1). Without one the simulator prices no driver round trip to
+    skip (no host costs): the hop is off."""
     from pp_runtime.executors import token_hop_on
 
     cal = getattr(cost, "calibration", None)

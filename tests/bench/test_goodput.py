@@ -103,10 +103,10 @@ def test_anchors_read_from_an_earlier_run_give_the_same_table(tmp_path, monkeypa
 def test_uniform_is_probed_at_each_anchor_frontier_point_it_does_not_match():
     """The frontier check by hand: Sarathi-Serve's frontier (13, 20, 30 ms) and gLLM's (11,
     16, 40 ms; 11 is under the table's tightest target, 2 x 6 ms) against `uniform`'s one
-    point (25 ms, 150 tok/s): it is probed with 20, 30 and 16 ms as its targets (13 ms is under its floor: its
-    one-line error, skipped), not 40 ms (150 >= 50 already); it carries 120 >= 100 at 20 ms,
-    250 < 300 at 30 ms and meets no rate at 16 ms, so its frontier is at or above 2 of the
-    5 points."""
+    point (25 ms, 150 tok/s): it is probed with 20, 30 and 16 ms as its targets (13 ms is
+    under its floor: its one-line error, skipped), not 40 ms (150 >= 50 already); it
+    carries 120 >= 100 at 20 ms, 250 < 300 at 30 ms and meets no rate at 16 ms, so its
+    frontier is at or above 2 of the 5 points."""
     from types import SimpleNamespace
 
     from pp_runtime.config import ConfigError

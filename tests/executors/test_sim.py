@@ -285,8 +285,9 @@ def test_token_hop_placeholders_wait_for_their_token_on_stage_0():
 
 def test_a_calibrated_simulation_plans_ahead_with_the_hop(tmp_path):
     """simulate() runs the hop where the cost carries a calibration of a real executor on
-    which runtime.token_hop resolves on (auto: ray tasks or the compiled graph, tp = 1), and not without one or
-    with token_hop false; planning ahead, the tokens are the same ones."""
+    which runtime.token_hop resolves on (auto: ray tasks or the compiled graph, tp = 1),
+    and not without one or with token_hop false; planning ahead, the tokens are the same
+    ones."""
     from pp_runtime.costmodel.calibration import Calibration, HostCost
     from pp_runtime.engine.simulate import sim_token_hop
 
