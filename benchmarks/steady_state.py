@@ -132,7 +132,7 @@ def poisson_run(cfg, executor, planner: str, qps: float, n: int, out: Path) -> d
 
 
 HEAD = (f"{'mix':<14}{'load':>5}{'req/s':>7}{'N':>4} {'planner':<10}{'steady':>8} "
-        f"{'(up/down/dep)':<17}{'for':>7}{'idle':>6}{'warm-up':>14}{'tail':>15}{'whole':>8}"
+        f"{'(up/down/dep)':<17}{'hop':>5}{'for':>7}{'idle':>6}{'warm-up':>14}{'tail':>15}{'whole':>8}"
         f"{'makespan':>10}")
 
 
@@ -140,7 +140,8 @@ def row(mix: str, load: float, r: dict) -> str:
     st, wu, tl = r["steady"], r["warmup"], r["tail"]
     by = "/".join(f"{st['bubble_fraction_by_cause'][c] * 100:.1f}" for c in CAUSES)
     return (f"{mix:<14}{load:>5.0%}{r['qps']:>7.3f}{r['requests']:>4} {r['planner']:<10}"
-            f"{st['bubble_fraction']:>8.1%} {by:<17}{st['duration_s']:>5.1f} s"
+            f"{st['bubble_fraction']:>8.1%} {by:<17}{st.get('dependency_token_fraction', 0) * 100:>5.1f}"
+            f"{st['duration_s']:>5.1f} s"
             f"{st['idle_fraction']:>6.0%}"
             f"{wu['duration_s']:>6.1f} s {wu['bubble_fraction']:>5.1%}"
             f"{tl['duration_s']:>7.1f} s {tl['bubble_fraction']:>5.1%}"
@@ -237,7 +238,8 @@ def main(argv=None) -> int:
     finally:
         bar.close()
         pipeline.close()
-    print("\nsteady: bubble fraction of the steady window (up/down/dep: by cause, %), for how "
+    print("\nsteady: bubble fraction of the steady window (up/down/dep: by cause, %; hop: of "
+          "dep, stage 0 holding its call while the token hop brings its decodes' ids), for how "
           "long, and its idle share; warm-up, tail: duration and bubble fraction; whole: the "
           "whole run's (docs/bubbles.md)")
     print("\n".join(lines))

@@ -170,6 +170,8 @@ class StageTiming:
     compute_start_s: float
     compute_end_s: float
     send_wait_s: float = 0.0  # after computing: blocked until the next stage took the send (downstream)
+    token_wait_s: float = 0.0  # stage 0 with the token hop: holding the call, waiting for its
+    #                            decodes' input tokens from the last stage (part of dependency)
 
     @property
     def compute_s(self) -> float:

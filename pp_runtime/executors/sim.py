@@ -37,7 +37,8 @@ stage at the end of the micro-batch that sampled them and cross one hop:
 
 where `hop` is the cost model's price of a one-token message between two stages
 (`send_time(1, 1)`). The wait falls before the call's start, a `dependency` gap, as the
-real stage waits for a token outside its spans (worker/stage.py).
+real stage waits for a token outside its spans (worker/stage.py); start_0 - take_0 is the
+timing's `token_wait_s`, the real stage's measured wait.
 """
 from __future__ import annotations
 
@@ -114,6 +115,7 @@ class SimExecutor:
                 start = take
                 for _, src in mb.placeholders:  # the token hop: each placeholder's token
                     start = max(start, self._tokens_at[src])
+                token = start - take  # holding the call, its tokens on the hop
             else:
                 transfer = sends[stage]
                 if posted > take:
@@ -126,7 +128,8 @@ class SimExecutor:
             posted = free[stage] = end + block
             done = posted if posted > done else done
             received[stage] = start
-            add(StageTiming(mb_id, stage, 0, wait, transfer, start, end, block))
+            add(StageTiming(mb_id, stage, 0, wait, transfer, start, end, block,
+                            token if stage == 0 else 0.0))
         self._done[mb_id] = (done + self.ret, sampled_tokens(mb_id, sampled, tuple(timings)))
         if self.token_hop:
             self._tokens_at[mb_id] = end + self.hop  # end: the last stage's

@@ -70,7 +70,9 @@ def _median(values: Sequence[float], default: float = 0.0) -> float:
 
 
 def _take(t: StageTiming) -> float:
-    return t.compute_start_s - t.transfer_s - t.wait_s
+    """When the stage took the call: before its waits for activations and for the token
+    hop's ids (the simulator prices both apart from the call's trip)."""
+    return t.compute_start_s - t.transfer_s - t.wait_s - t.token_wait_s
 
 
 def host_costs(times: dict[int, list[float]], timings: dict[int, Sequence[StageTiming]],

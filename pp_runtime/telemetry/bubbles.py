@@ -9,12 +9,15 @@ micro-batch carried, and how long the system was idle before each micro-batch (t
   upstream    holding a micro-batch whose input the previous stage has not sent   } bubble,
   downstream  computed, blocked until the next stage takes the send (back-pressure) } by
   dependency  holding nothing while arrived requests are unfinished (all in flight) } cause
+              (of it `token`: stage 0 holding the call while its decodes' input tokens
+              travel the token hop from the last stage; the rest is the driver and the call's
+              trip: `StageTiming.token_wait_s`)
   idle        holding nothing, no arrived unfinished request anywhere (not a bubble)
 
 One call of micro-batch k on a stage runs, on that stage's clock:
 
-  ... prev compute end | prev send_wait | holding nothing | wait | transfer | compute k | send_wait ...
-                         downstream       dependency/idle   upstream
+  ... prev compute end | prev send_wait | holding nothing | token | wait | transfer | compute k | send_wait ...
+                         downstream       dependency/idle   dep.    upstream
 
 The holding-nothing part is idle up to the driver's idle time before k (a duration: the
 pipeline was empty then, so it lies inside every stage's gap) and dependency beyond it. Only
@@ -41,7 +44,7 @@ class Split(NamedTuple):
 
     transfer: float  # before the compute
     upstream: float  # before the compute
-    dependency: float  # before the compute (holding nothing, requests unfinished)
+    dependency: float  # before the compute (holding nothing, requests unfinished; token included)
     idle: float  # before the compute (holding nothing, nothing to do)
     downstream: float  # after the compute
     busy: float
@@ -63,6 +66,7 @@ class StageStats:
     dependency_s: float
     idle_s: float
     num_microbatches: int
+    token_s: float = 0.0  # of dependency_s: holding the call, waiting for the token hop
 
     @property
     def bubble_by_cause_s(self) -> dict[str, float]:
@@ -105,14 +109,14 @@ class StageAccumulator:
     """
 
     __slots__ = ("stage", "start_s", "prev_end_s", "busy_s", "transfer_s", "upstream_s",
-                 "downstream_s", "dependency_s", "idle_s", "num_microbatches")
+                 "downstream_s", "dependency_s", "idle_s", "num_microbatches", "token_s")
 
     def __init__(self, stage: int, start_s: float | None = None):
         self.stage = stage
         self.start_s = start_s  # the stage's start on its own clock; None: its first call
         self.prev_end_s = start_s  # end of the previous call (its compute end + send wait)
         self.busy_s = self.transfer_s = self.upstream_s = self.downstream_s = 0.0
-        self.dependency_s = self.idle_s = 0.0
+        self.dependency_s = self.idle_s = self.token_s = 0.0
         self.num_microbatches = 0
 
     def add(self, t: StageTiming, idle_before_s: float = 0.0) -> Split:
@@ -135,11 +139,13 @@ class StageAccumulator:
         gap = max(gap, 0.0)
         transfer = t.transfer_s if t.transfer_s < gap else gap
         upstream = min(t.wait_s, gap - transfer)
-        empty = gap - transfer - upstream  # holding no micro-batch
-        idle = idle_before_s if idle_before_s < empty else empty
+        empty = gap - transfer - upstream  # holding no micro-batch, or its tokens (token hop)
+        token = t.token_wait_s if t.token_wait_s < empty else empty  # last, before the wait
+        idle = idle_before_s if idle_before_s < empty - token else empty - token
         self.transfer_s += transfer
         self.upstream_s += upstream
         self.dependency_s += empty - idle
+        self.token_s += token
         self.idle_s += idle
         self.busy_s += end - start
         self.downstream_s += send_wait
@@ -158,7 +164,8 @@ class StageAccumulator:
 
     def stats(self) -> StageStats:
         return StageStats(self.stage, self.wall_s, self.busy_s, self.transfer_s, self.upstream_s,
-                          self.downstream_s, self.dependency_s, self.idle_s, self.num_microbatches)
+                          self.downstream_s, self.dependency_s, self.idle_s, self.num_microbatches,
+                          self.token_s)
 
 
 def add_microbatch(stages: dict[int, StageAccumulator], timings: Iterable[StageTiming],

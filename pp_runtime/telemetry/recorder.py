@@ -29,7 +29,7 @@ MB_COLUMNS = ("mb_id", "prefill_tokens", "decodes", "num_tokens", "num_requests"
               "end_s", "compute_s", "bubble_s")
 TIMELINE_COLUMNS = ("mb_id", "stage", "compute_start_s", "compute_end_s", "wait_s",
                     "transfer_s", "send_wait_s", "upstream_s", "dependency_s", "idle_s",
-                    "downstream_s", "prefill_tokens", "decodes")
+                    "downstream_s", "prefill_tokens", "decodes", "token_wait_s")
 
 
 def _window_starts(n: int) -> bool:
@@ -80,7 +80,7 @@ class RunRecorder:
             if rows is not None:
                 rows.append((mb.mb_id, t.stage, start, end, t.wait_s, t.transfer_s, t.send_wait_s,
                              split.upstream, split.dependency, split.idle, split.downstream,
-                             prefill, decodes))
+                             prefill, decodes, t.token_wait_s))
         for col, v in zip(MB_COLUMNS, (mb.mb_id, prefill, decodes, prefill + decodes, len(rids),
                                        0.0 if first is None else first, last_end, compute, bubble)):
             self.mb_columns[col].append(v)

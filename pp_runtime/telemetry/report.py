@@ -64,7 +64,8 @@ def _stage_row(replica: int, s) -> dict[str, Any]:
     return {"replica": replica, "stage": s.stage, "wall_s": s.wall_s, "busy_s": s.busy_s,
             "transfer_s": s.transfer_s, "bubble_s": s.bubble_s,
             "bubble_by_cause_s": s.bubble_by_cause_s, "idle_s": s.idle_s,
-            "num_microbatches": s.num_microbatches}
+            "num_microbatches": s.num_microbatches,
+            "dependency_token_s": s.token_s}  # of the dependency: waiting for the token hop
 
 
 def _windows(replicas: list[RunRecorder], requests: list[dict]) -> dict:
@@ -103,6 +104,7 @@ def build_report(run: RunResult) -> dict[str, Any]:
     # run failed part-way) and tokens sampled
     tokens = prefill_ran + sum(r["output_tokens"] for r in requests)
     by_cause = fractions_by_cause(stats)
+    wall = sum(s.wall_s for s in stats)
     gaps = np.concatenate([np.frombuffer(rec.token_gaps_s, dtype=float) for rec in run.replicas]) \
         if run.replicas else np.zeros(0)
     m, p, pl = cfg.model, cfg.parallel, cfg.planner
@@ -112,6 +114,8 @@ def build_report(run: RunResult) -> dict[str, Any]:
         "bubble_per_request_s": percentiles([r["bubble_s"] for r in requests]),
         "bubble_fraction": sum(by_cause.values()),
         "bubble_fraction_by_cause": by_cause,
+        # of the dependency: stage 0 holding a call whose decodes' tokens were on the token hop
+        "dependency_token_fraction": sum(s.token_s for s in stats) / wall if wall > 0 else 0.0,
         "per_stage": per_stage,
         # warm-up, steady state, tail (telemetry/windows.py, docs/bubbles.md)
         "windows": _windows(run.replicas, requests),
@@ -208,6 +212,11 @@ def read_report(out_dir: str | Path) -> dict[str, Any]:
     return report
 
 
+def token_part(fraction: float | None) -> str:
+    """', of it on the token hop X%' where a run's dependency waited for the token hop."""
+    return f", of it on the token hop {fraction:.1%}" if fraction else ""
+
+
 def format_summary(report: dict[str, Any]) -> str:
     s = report["summary"]
     d, b, ttft, tbt = s["deployment"], s["bubble_per_request_s"], s["ttft_s"], s["tbt_s"]
@@ -218,8 +227,8 @@ def format_summary(report: dict[str, Any]) -> str:
         + (", layer_split " + "|".join(map(str, d["layer_split"])) if d.get("layer_split") else ""),
         f"  makespan {_t(s['makespan_s'])}, throughput {s['throughput_tok_s']:.0f} tok/s, "
         f"bubble fraction {s['bubble_fraction']:.1%}"
-        + (" (" + ", ".join(f"{c} {causes[c]:.1%}" for c in CAUSES if c in causes) + ")"
-           if causes else ""),
+        + (" (" + ", ".join(f"{c} {causes[c]:.1%}" for c in CAUSES if c in causes)
+           + token_part(s.get("dependency_token_fraction")) + ")" if causes else ""),
         *format_windows(s.get("windows"), s["bubble_fraction"]),  # older reports: none
         f"  bubble per request: median {_t(b['median'])}, p90 {_t(b['p90'])}, "
         f"p99 {_t(b['p99'])}, mean {_t(b['mean'])}",

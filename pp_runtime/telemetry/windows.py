@@ -34,7 +34,8 @@ from pp_runtime.telemetry.bubbles import CAUSES, StageAccumulator, add_microbatc
 
 WINDOWS = ("warmup", "steady", "tail")
 # a stage's running totals, in this order
-PARTS = ("wall_s", "busy_s", "transfer_s", "upstream_s", "downstream_s", "dependency_s", "idle_s")
+PARTS = ("wall_s", "busy_s", "transfer_s", "upstream_s", "downstream_s", "dependency_s", "idle_s",
+         "token_s")
 
 Totals = dict[int, tuple[float, ...]]  # stage -> running totals (PARTS)
 
@@ -42,7 +43,7 @@ Totals = dict[int, tuple[float, ...]]  # stage -> running totals (PARTS)
 def totals(stages: Mapping[int, StageAccumulator]) -> Totals:
     """Every stage's running totals now (PARTS)."""
     return {s: (a.wall_s, a.busy_s, a.transfer_s, a.upstream_s, a.downstream_s, a.dependency_s,
-                a.idle_s) for s, a in stages.items()}
+                a.idle_s, a.token_s) for s, a in stages.items()}
 
 
 class AdmissionSnapshots:
@@ -64,7 +65,7 @@ class AdmissionSnapshots:
         values = self.values
         for stage, a in stages.items():
             values.extend((stage, a.wall_s, a.busy_s, a.transfer_s, a.upstream_s, a.downstream_s,
-                           a.dependency_s, a.idle_s))  # PARTS
+                           a.dependency_s, a.idle_s, a.token_s))  # PARTS
         i = len(self.offsets) - 1
         self.offsets.append(len(self.values))
         for r in new:
@@ -123,7 +124,8 @@ def window_stats(parts: Sequence[Totals]) -> dict:
             "bubble_s": sum(sums[f"{c}_s"] for c in CAUSES),
             "bubble_fraction": sum(by_cause.values()), "bubble_fraction_by_cause": by_cause,
             "busy_fraction": frac["busy"], "transfer_fraction": frac["transfer"],
-            "idle_fraction": frac["idle"]}
+            "idle_fraction": frac["idle"],
+            "dependency_token_fraction": frac["token"]}  # of the dependency: the token hop
 
 
 def account_windows(timings: Iterable[StageTiming], mb_requests: Mapping[int, Sequence[int]],
@@ -169,6 +171,8 @@ def format_windows(w: dict | None, whole: float) -> list[str]:
         return []
     st, wu, tl = w["steady"], w["warmup"], w["tail"]
     causes = ", ".join(f"{c} {_pct(st['bubble_fraction_by_cause'][c])}" for c in CAUSES)
+    if st.get("dependency_token_fraction"):  # older reports: none
+        causes += f", of it on the token hop {_pct(st['dependency_token_fraction'])}"
     cost = (f"warm-up {wu['duration_s']:.1f} s at {_pct(wu['bubble_fraction'])}, "
             f"tail {tl['duration_s']:.1f} s at {_pct(tl['bubble_fraction'])}")
     if st["stage_wall_s"] <= 0:  # e.g. every request at time 0: none arrives after a finish

@@ -14,6 +14,7 @@ of the worker's timer (`telemetry/timer.py`: perf_counter on CPU, CUDA events on
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -136,10 +137,12 @@ class StageWorker:
         this stream's last span only (never for the send just posted, which runs on NCCL's
         stream), so the call's own timing comes back with it and none is held over."""
         rec = self.timer.record()
-        hop = self.hop
+        hop, token_wait = self.hop, 0.0
         if hop is not None and hop.receives:  # outside every span: a wait for a token is a
-            hop.before(mb.mb_id)              # dependency bubble (telemetry/bubbles.py)
+            held = time.perf_counter()        # dependency bubble (telemetry/bubbles.py)
+            hop.before(mb.mb_id)
             mb = fill_placeholders(mb, hop.token)
+            token_wait = time.perf_counter() - held
         if self.link is not None and not self.model.is_first:
             x = self.link.recv(mb, rec)
         with rec.span(Op.COMPUTE):
@@ -161,5 +164,6 @@ class StageWorker:
             self.link.check_headers()
         start, end = spans[Op.COMPUTE]
         timing = StageTiming(mb.mb_id, self.stage, self.tp_rank, spans.seconds(Op.RECV_WAIT),
-                             spans.seconds(Op.TRANSFER), start, end, spans.seconds(Op.SEND_WAIT))
+                             spans.seconds(Op.TRANSFER), start, end, spans.seconds(Op.SEND_WAIT),
+                             token_wait)
         return RankResult(timing, tokens), out

@@ -276,6 +276,9 @@ def test_token_hop_placeholders_wait_for_their_token_on_stage_0():
                    (2, 0, 5, 7), (2, 1, 7.5, 9.5)]
     rep = account([t for o in outs for t in o.timings], {0: [0], 1: [1], 2: [0]})
     assert rep.per_stage[0].bubble_by_cause_s["dependency"] == 1.0
+    # all of it on the token hop: the timing carries it as the real stage measures it
+    assert [t.token_wait_s for o in outs for t in o.timings] == [0, 0, 0, 0, 1, 0]
+    assert rep.per_stage[0].token_s == 1.0
     # the same micro-batch without the hop's wait (its token given): stage 0 takes it at 4
     plain = SimExecutor(cost, 2, VirtualClock())
     outs = [plain.wait(x) for x in [plain.submit(mb(0, 1, rid=0)), plain.submit(mb(1, 1, rid=1)),

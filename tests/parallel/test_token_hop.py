@@ -117,6 +117,28 @@ def test_ray_token_hop_at_tp2_equals_transformers(gpt, local_ray, via):
 
 
 @pytest.mark.slow
+def test_ray_stage_0_measures_its_wait_for_the_token_hop(gpt, ray_pp2):
+    """Stage 0 times its wait for the hop's ids (`token_wait_s`), the last stage never
+    does; a wait lies inside the gap before its call's compute, and the bubble rule counts
+    it as the dependency on the token hop."""
+    from pp_runtime.telemetry.bubbles import account
+
+    _, _, prompts, _ = gpt
+    got = []
+    ray_pp2.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True),
+                     on_microbatch=lambda mb, out: got.append((mb, out.timings)))
+    timings = [t for _, ts in got for t in ts]
+    first = sorted((t for t in timings if t.stage == 0), key=lambda t: t.compute_start_s)
+    assert all(t.token_wait_s == 0 for t in timings if t.stage == 1)
+    ahead = {mb.mb_id for mb, _ in got if mb.placeholders}
+    assert sum(t.token_wait_s for t in first if t.mb_id in ahead) > 0
+    for prev, t in zip(first, first[1:]):
+        assert 0 <= t.token_wait_s <= t.compute_start_s - prev.compute_end_s - prev.send_wait_s + 1e-4
+    s0 = account(timings).per_stage[0]
+    assert 0 < s0.token_s <= s0.dependency_s
+
+
+@pytest.mark.slow
 def test_ray_token_hop_seeded_sampling_equals_the_path_without_it(gpt, ray_pp2):
     _, path, prompts, _ = gpt
     params = SamplingParams(max_tokens=NEW, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)

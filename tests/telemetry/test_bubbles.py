@@ -80,6 +80,21 @@ def test_ring_stall_is_a_dependency_bubble_on_stage_0():
     assert_adds_up(rep)
 
 
+def test_a_wait_for_the_token_hop_is_the_dependency_it_names():
+    """The token hop: stage 0 holds m2's call from 2.5 and waits until 4 for the ids its
+    decodes need (`token_wait_s` 1.5). Its gap 2..4 is all dependency (2), of it 1.5 on the
+    token hop; the 0.5 before the call came is the rest. A wait longer than the gap (the
+    two clocks' rounding) is cut to the gap; an idle stretch comes out of what is left."""
+    timings = [T(0, 0, 0, 1), T(1, 0, 1, 2), StageTiming(2, 0, 0, 0.0, 0.0, 4, 5, 0.0, 1.5)]
+    s0 = account(timings, stage_start_s={0: 0.0}).per_stage[0]
+    assert (s0.dependency_s, s0.token_s, s0.idle_s) == (2, 1.5, 0)
+    assert_adds_up(account(timings, stage_start_s={0: 0.0}))
+    longer = timings[:2] + [StageTiming(2, 0, 0, 0.0, 0.0, 4, 5, 0.0, 2.5)]
+    assert account(longer, stage_start_s={0: 0.0}).per_stage[0].token_s == 2
+    idle = account(timings, stage_start_s={0: 0.0}, idle_before_s={2: 1.0}).per_stage[0]
+    assert (idle.dependency_s, idle.token_s, idle.idle_s) == (1.5, 1.5, 0.5)
+
+
 def test_back_pressure_is_a_downstream_bubble():
     """Three stages costing 1, 1, 3; m0..m2 issued at 0 (the schedule SimExecutor makes:
     tests/executors/test_sim.py). Stage 1 computes m2 in [3,4) but stage 2 takes m1's
