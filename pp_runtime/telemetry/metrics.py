@@ -35,6 +35,7 @@ class Metric(str, Enum):
     STAGE_TRANSFER = "pp_runtime_stage_transfer_seconds"  # receiving activations already sent
     STAGE_BUBBLE = "pp_runtime_stage_bubble_seconds"  # a bubble, tag cause=upstream|downstream|dependency
     STAGE_IDLE = "pp_runtime_stage_idle_seconds"  # no arrived, unfinished request anywhere
+    STAGE_DEPENDENCY_TOKEN = "pp_runtime_stage_dependency_token_seconds"  # of dependency: the hop
     STAGE_WALL = "pp_runtime_stage_wall_seconds"  # all of the above and busy: the denominator
     STAGE_BUBBLE_FRACTION = "pp_runtime_stage_bubble_fraction"  # by cause, / wall of this run
     REQUEST_BUBBLE = "pp_runtime_request_bubble_seconds"  # per finished request
@@ -83,6 +84,9 @@ SPECS: dict[Metric, Spec] = {
                               "dependency (holding nothing while requests are unfinished)", _CAUSE),
     Metric.STAGE_IDLE: Spec(Kind.COUNTER, "Seconds a stage held nothing and no arrived request "
                             "was unfinished (not a bubble)", _STAGE),
+    Metric.STAGE_DEPENDENCY_TOKEN: Spec(Kind.COUNTER, "Of a stage's dependency bubble, seconds "
+                                        "it held a call while its decodes' input tokens came "
+                                        "from the last stage on the token hop", _STAGE),
     Metric.STAGE_WALL: Spec(Kind.COUNTER, "Wall seconds of a stage (busy + transfer + bubble + "
                             "idle): the denominator of bubble shares", _STAGE),
     Metric.STAGE_BUBBLE_FRACTION: Spec(Kind.GAUGE, "Bubble seconds of a cause / wall seconds of a "
@@ -182,6 +186,7 @@ class RuntimeMetrics:
         self.sink = sink if sink is not None else default_sink()
         self.requests, self.clock, self.queue_depth = requests, clock, queue_depth
         self.stages: dict[int, StageAccumulator] = {}
+        self._token_s: dict[int, float] = {}  # stage -> its accumulator's token_s last sent
         self.in_flight = 0
         self._bubble_s: dict[int, float] = {}  # request id -> bubble so far (unfinished)
         self._last_token_s: dict[int, float] = {}
@@ -242,8 +247,10 @@ class RuntimeMetrics:
         for t, acc, split in add_microbatch(self.stages, out.timings, mb.idle_before_s):
             mb_bubble += split.charged
             stage = str(t.stage)
+            token, self._token_s[t.stage] = acc.token_s - self._token_s.get(t.stage, 0.0), acc.token_s
             for metric, value in ((Metric.STAGE_BUSY, split.busy), (Metric.STAGE_TRANSFER, split.transfer),
-                                  (Metric.STAGE_IDLE, split.idle), (Metric.STAGE_WALL, sum(split))):
+                                  (Metric.STAGE_IDLE, split.idle), (Metric.STAGE_WALL, sum(split)),
+                                  (Metric.STAGE_DEPENDENCY_TOKEN, token)):
                 key = (metric, (("stage", stage),))
                 pend[key] = pend.get(key, 0.0) + value
             wall = acc.wall_s

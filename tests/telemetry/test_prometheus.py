@@ -42,7 +42,7 @@ DASHBOARD = ROOT / "docs" / "grafana" / "pp_runtime.json"
 MONITORING = ROOT / "docs" / "monitoring.md"
 DEP = "tiny-gpt-tp1xpp2"
 WINDOW = "1m"  # for Grafana's $__rate_interval (>= 4 scrape intervals) and the run inside it
-STAGE_KINDS = ("busy", "transfer", "idle", "wall")
+STAGE_KINDS = ("busy", "transfer", "idle", "wall", "dependency_token")  # report: {kind}_s
 
 
 # ---- the dashboard's and the docs' queries --------------------------------------------
@@ -330,7 +330,7 @@ def check(run, expr: str, result: list[tuple[dict, float]]) -> None:
         assert {(lab["stage"], lab["cause"]) for lab, _ in result} == causes, result
         assert all(v <= 1 + 1e-9 for _, v in result), result
     else:  # busy / transfer / idle seconds per second: the report's stages with any
-        kind = metric.value.split("_")[3]
+        kind = metric.value[len("pp_runtime_stage_"):-len("_seconds")]
         assert kind in STAGE_KINDS, expr
         assert {lab["stage"] for lab, _ in result} == {
             st for st, s in per_stage.items() if s[f"{kind}_s"] > 0}, result

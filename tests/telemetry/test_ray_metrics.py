@@ -53,8 +53,8 @@ def cause_key(metric, stage, cause):
     return metric, tuple(sorted(DEP + (("stage", str(stage)), ("cause", cause))))
 
 
-def T(mb, stage, start, end, wait=0.0, transfer=0.0, tp_rank=0, send_wait=0.0):  # noqa: N802
-    return StageTiming(mb, stage, tp_rank, wait, transfer, start, end, send_wait)
+def T(mb, stage, start, end, wait=0.0, transfer=0.0, tp_rank=0, send_wait=0.0, token=0.0):  # noqa: N802
+    return StageTiming(mb, stage, tp_rank, wait, transfer, start, end, send_wait, token)
 
 
 SAMPLE = Sampling(0.0, 1.0, 0)
@@ -62,14 +62,15 @@ SAMPLE = Sampling(0.0, 1.0, 0)
 
 def test_online_bubbles_equal_account_on_a_hand_made_schedule():
     """stage 0: m0 [0,1)  m1 [1,5) then blocked 0.5 on its send (downstream)  m2 [8,9):
-             the driver was idle 2 before m2 (idle 2, dependency 0.5)
+             the driver was idle 2 before m2 (idle 2, dependency 0.5, of it 0.3 holding
+             m2's call while its decode's token came on the hop)
     stage 1: m0 [1.5,2.5) after wait 1 + transfer 0.5 (fill); m1 [5.5,9.5) after transfer
              0.5 + wait 2.5 (PB1); m2 [10,11) after transfer 0.25 and 0.25 idle.
     r0: m0 (whole prompt, samples) and m2 (decode, finishes); r1: m1 (whole prompt, one
     token, finishes); r2: m1 (first chunk) and m2 (last chunk, first token, finishes)."""
     timings = {0: [T(0, 0, 0, 1), T(0, 1, 1.5, 2.5, wait=1, transfer=0.5)],
                1: [T(1, 0, 1, 5, send_wait=0.5), T(1, 1, 5.5, 9.5, wait=2.5, transfer=0.5)],
-               2: [T(2, 0, 8, 9), T(2, 1, 10, 11, transfer=0.25)]}
+               2: [T(2, 0, 8, 9, token=0.3), T(2, 1, 10, 11, transfer=0.25)]}
     for mb_timings in timings.values():  # TP rank 1 runs in lock step and is not counted
         mb_timings += [T(t.mb_id, t.stage, t.compute_start_s, t.compute_end_s + 0.5, tp_rank=1)
                        for t in list(mb_timings)]
@@ -105,6 +106,7 @@ def test_online_bubbles_equal_account_on_a_hand_made_schedule():
         {"upstream": 0, "downstream": 0.5, "dependency": 0.5},
         {"upstream": 3.5, "downstream": 0, "dependency": 0}]
     assert [s.idle_s for s in rep.per_stage] == [2, 0.25]
+    assert [s.token_s for s in rep.per_stage] == [pytest.approx(0.3), 0]
     for s in rep.per_stage:
         assert sink.counters[stage_key(Metric.STAGE_BUSY, s.stage)] == pytest.approx(s.busy_s)
         for cause, seconds in s.bubble_by_cause_s.items():
@@ -112,6 +114,7 @@ def test_online_bubbles_equal_account_on_a_hand_made_schedule():
             assert sink.gauges[cause_key(Metric.STAGE_BUBBLE_FRACTION, s.stage, cause)] == pytest.approx(
                 seconds / s.wall_s)
         assert sink.counters[stage_key(Metric.STAGE_IDLE, s.stage)] == pytest.approx(s.idle_s)
+        assert sink.counters[stage_key(Metric.STAGE_DEPENDENCY_TOKEN, s.stage)] == pytest.approx(s.token_s)
         assert sink.counters[stage_key(Metric.STAGE_TRANSFER, s.stage)] == pytest.approx(s.transfer_s)
         assert sink.counters[stage_key(Metric.STAGE_WALL, s.stage)] == pytest.approx(s.wall_s)
         assert metrics.stages[s.stage].stats() == s  # the same accumulator, the same numbers
