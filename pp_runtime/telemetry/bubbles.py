@@ -48,6 +48,13 @@ class Split(NamedTuple):
     idle: float  # before the compute (holding nothing, nothing to do)
     downstream: float  # after the compute
     busy: float
+    token: float = 0.0  # of `dependency`: holding the call, waiting for the token hop
+
+    @property
+    def wall(self) -> float:
+        """The wall time the call added to its stage (`token` is within `dependency`)."""
+        return (self.transfer + self.upstream + self.dependency + self.idle + self.downstream
+                + self.busy)
 
     @property
     def charged(self) -> float:
@@ -122,13 +129,13 @@ class StageAccumulator:
     def add(self, t: StageTiming, idle_before_s: float = 0.0) -> Split:
         """Account one micro-batch's call; `idle_before_s` is the driver's idle time just
         before the micro-batch was submitted."""
-        transfer, upstream, dependency, idle = self.take(t, idle_before_s)
+        transfer, upstream, dependency, idle, token = self.take(t, idle_before_s)
         return Split(transfer, upstream, dependency, idle, t.send_wait_s,
-                     t.compute_end_s - t.compute_start_s)
+                     t.compute_end_s - t.compute_start_s, token)
 
-    def take(self, t: StageTiming, idle_before_s: float = 0.0) -> tuple[float, float, float, float]:
+    def take(self, t: StageTiming, idle_before_s: float = 0.0) -> tuple[float, ...]:
         """`add` without building its Split (the plan's probes call it 10^6 times): the
-        call's (transfer, upstream, dependency, idle) before its compute."""
+        call's (transfer, upstream, dependency, idle, token) before its compute."""
         if self.start_s is None:  # the stage started when it took its first call
             self.start_s = self.prev_end_s = t.compute_start_s - t.wait_s - t.transfer_s
         start, end, send_wait = t.compute_start_s, t.compute_end_s, t.send_wait_s
@@ -151,7 +158,7 @@ class StageAccumulator:
         self.downstream_s += send_wait
         self.num_microbatches += 1
         self.prev_end_s = end + send_wait
-        return transfer, upstream, empty - idle, idle
+        return transfer, upstream, empty - idle, idle, token
 
     @property
     def wall_s(self) -> float:
@@ -173,7 +180,7 @@ def add_microbatch(stages: dict[int, StageAccumulator], timings: Iterable[StageT
     """One micro-batch's records into their stages' accumulators (TP rank 0 only: the ranks
     of a stage run in lock step; a stage's accumulator is made at its first record), in
     order; yields (timing, accumulator, split) for each. The split's parts add up to the
-    wall time the call added to its stage."""
+    wall time the call added to its stage (`Split.wall`)."""
     for t in timings:
         if t.tp_rank != 0:
             continue

@@ -186,7 +186,6 @@ class RuntimeMetrics:
         self.sink = sink if sink is not None else default_sink()
         self.requests, self.clock, self.queue_depth = requests, clock, queue_depth
         self.stages: dict[int, StageAccumulator] = {}
-        self._token_s: dict[int, float] = {}  # stage -> its accumulator's token_s last sent
         self.in_flight = 0
         self._bubble_s: dict[int, float] = {}  # request id -> bubble so far (unfinished)
         self._last_token_s: dict[int, float] = {}
@@ -247,10 +246,9 @@ class RuntimeMetrics:
         for t, acc, split in add_microbatch(self.stages, out.timings, mb.idle_before_s):
             mb_bubble += split.charged
             stage = str(t.stage)
-            token, self._token_s[t.stage] = acc.token_s - self._token_s.get(t.stage, 0.0), acc.token_s
             for metric, value in ((Metric.STAGE_BUSY, split.busy), (Metric.STAGE_TRANSFER, split.transfer),
-                                  (Metric.STAGE_IDLE, split.idle), (Metric.STAGE_WALL, sum(split)),
-                                  (Metric.STAGE_DEPENDENCY_TOKEN, token)):
+                                  (Metric.STAGE_IDLE, split.idle), (Metric.STAGE_WALL, split.wall),
+                                  (Metric.STAGE_DEPENDENCY_TOKEN, split.token)):
                 key = (metric, (("stage", stage),))
                 pend[key] = pend.get(key, 0.0) + value
             wall = acc.wall_s

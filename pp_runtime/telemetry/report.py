@@ -23,7 +23,7 @@ from pp_runtime.core.errors import ConfigError
 from pp_runtime.core.request import RequestOutput
 from pp_runtime.telemetry.bubbles import CAUSES, fractions_by_cause
 from pp_runtime.telemetry.recorder import MB_COLUMNS, TIMELINE_COLUMNS, RunRecorder
-from pp_runtime.telemetry.windows import format_windows, summarize
+from pp_runtime.telemetry.windows import format_windows, summarize, token_part
 
 
 @dataclass
@@ -210,11 +210,6 @@ def read_report(out_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not a complete report: no {', '.join(missing)}; re-run "
                           "to write it again")
     return report
-
-
-def token_part(fraction: float | None) -> str:
-    """', of it on the token hop X%' where a run's dependency waited for the token hop."""
-    return f", of it on the token hop {fraction:.1%}" if fraction else ""
 
 
 def format_summary(report: dict[str, Any]) -> str:

@@ -165,14 +165,18 @@ def _pct(x: float) -> str:
     return f"{x:.1%}"
 
 
+def token_part(fraction: float | None) -> str:
+    """', of it on the token hop X%' where the dependency waited for the token hop."""
+    return f", of it on the token hop {_pct(fraction)}" if fraction else ""
+
+
 def format_windows(w: dict | None, whole: float) -> list[str]:
     """The printed lines: the steady-state bubble by cause, what warm-up and tail cost."""
     if not w or not w.get("steady"):
         return []
     st, wu, tl = w["steady"], w["warmup"], w["tail"]
     causes = ", ".join(f"{c} {_pct(st['bubble_fraction_by_cause'][c])}" for c in CAUSES)
-    if st.get("dependency_token_fraction"):  # older reports: none
-        causes += f", of it on the token hop {_pct(st['dependency_token_fraction'])}"
+    causes += token_part(st.get("dependency_token_fraction"))  # older reports: none
     cost = (f"warm-up {wu['duration_s']:.1f} s at {_pct(wu['bubble_fraction'])}, "
             f"tail {tl['duration_s']:.1f} s at {_pct(tl['bubble_fraction'])}")
     if st["stage_wall_s"] <= 0:  # e.g. every request at time 0: none arrives after a finish
